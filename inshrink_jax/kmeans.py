@@ -1,0 +1,114 @@
+"""Weighted 1-D k-means on a log-bucket histogram (ALGORITHM.md step 4) (jit).
+
+Clustering runs on the histogram's non-empty buckets (a few thousand points even for 100M+ weights), not on
+the weights: each bucket is a point at its representative value with weight
+    W = sigma * count / max(count) + (1 - sigma) * |value| / max(|value|),
+so large weights pull centres towards themselves even where they are rare. Initialisation is weighted
+k-means++ (the next centre drawn with probability proportional to W * squared distance), then weighted Lloyd
+iterations. Centres come out sorted ascending, so the codes built on them are ordinal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from inshrink_jax.sketch import SketchSpec
+
+
+def bucket_weights(counts: jax.Array, values: jax.Array, sigma: float) -> jax.Array:
+    """The k-means weight of each bucket (0 for empty buckets); see the module docstring."""
+    counts = counts.astype(jnp.float32)
+    present = counts > 0
+    mag = jnp.where(present, jnp.abs(values), 0.0)
+    norm_count = counts / jnp.maximum(jnp.max(counts), 1.0)
+    max_mag = jnp.max(mag)
+    norm_mag = jnp.where(max_mag > 0, mag / jnp.where(max_mag > 0, max_mag, 1.0), 0.0)
+    return jnp.where(present, sigma * norm_count + (1.0 - sigma) * norm_mag, 0.0)
+
+
+def assign(points: jax.Array, centres: jax.Array) -> jax.Array:
+    """Index of the nearest of the ascending `centres` for each point (ties go to the lower centre)."""
+    mids = 0.5 * (centres[1:] + centres[:-1])
+    return jnp.sum(points[..., None] > mids, axis=-1).astype(jnp.int32)
+
+
+def loss(points: jax.Array, weights: jax.Array, centres: jax.Array) -> jax.Array:
+    """Weighted sum of squared distances to the nearest centre."""
+    return jnp.sum(weights * (points - centres[assign(points, centres)]) ** 2)
+
+
+def kmeans_pp_init(points: jax.Array, weights: jax.Array, k: int, key: jax.Array) -> jax.Array:
+    """Weighted k-means++: k centres drawn with probability ~ weight * squared distance to the chosen ones."""
+
+    def log_p(p):
+        return jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+
+    keys = jax.random.split(key, k)
+    first = points[jax.random.categorical(keys[0], log_p(weights))]
+    d2 = (points - first) ** 2
+
+    def body(i, carry):
+        centres, d2 = carry
+        p = weights * d2
+        # Fewer distinct points than k: every point is already a centre, so repeat by weight.
+        p = jnp.where(jnp.sum(p) > 0, p, weights)
+        c = points[jax.random.categorical(keys[i], log_p(p))]
+        return centres.at[i].set(c), jnp.minimum(d2, (points - c) ** 2)
+
+    centres, _ = jax.lax.fori_loop(1, k, body, (jnp.full((k,), first), d2))
+    return jnp.sort(centres)
+
+
+def lloyd(points: jax.Array, weights: jax.Array, centres: jax.Array, iters: int, tol: float) -> jax.Array:
+    """Weighted Lloyd iterations from ascending `centres` until no centre moves more than `tol` times the
+    spread of the points, or `iters` iterations."""
+    k = centres.shape[0]
+    present = weights > 0
+    spread = jnp.max(jnp.where(present, points, -jnp.inf)) - jnp.min(jnp.where(present, points, jnp.inf))
+    limit = tol * jnp.where(jnp.isfinite(spread), spread, 0.0)
+
+    def step(carry):
+        c, _, it = carry
+        a = assign(points, c)
+        wsum = jax.ops.segment_sum(weights, a, num_segments=k)
+        vsum = jax.ops.segment_sum(weights * points, a, num_segments=k)
+        new = jnp.sort(jnp.where(wsum > 0, vsum / jnp.where(wsum > 0, wsum, 1.0), c))
+        return new, jnp.max(jnp.abs(new - c)), it + 1
+
+    def cond(carry):
+        _, moved, it = carry
+        return (it < iters) & (moved > limit)
+
+    c, _, _ = jax.lax.while_loop(cond, step, (centres, jnp.asarray(jnp.inf, centres.dtype), 0))
+    return c
+
+
+@functools.partial(jax.jit, static_argnames=("k", "iters", "restarts"))
+def weighted_kmeans(
+    points: jax.Array, weights: jax.Array, k: int, key: jax.Array, iters: int = 20, tol: float = 1e-4, restarts: int = 1
+) -> jax.Array:
+    """k ascending centres of the weighted 1-D points: the best of `restarts` k-means++ + Lloyd runs.
+
+    Points with weight 0 are ignored. With no weighted point at all, every centre is 0.
+    """
+
+    def one(key):
+        c = lloyd(points, weights, kmeans_pp_init(points, weights, k, key), iters, tol)
+        return c, loss(points, weights, c)
+
+    centres, losses = jax.vmap(one)(jax.random.split(key, restarts))
+    best = centres[jnp.argmin(losses)]
+    return jnp.where(jnp.sum(weights) > 0, best, jnp.zeros_like(best))
+
+
+def histogram_kmeans(
+    counts: jax.Array, spec: SketchSpec, k: int, sigma: float, key: jax.Array, iters: int = 20, tol: float = 1e-4,
+    restarts: int = 1,
+) -> jax.Array:
+    """k ascending centres for the data behind a log-bucket histogram (see the module docstring)."""
+    values = jnp.asarray(spec.representatives())
+    weights = bucket_weights(counts, values, sigma)
+    return weighted_kmeans(values, weights, k, key, iters=iters, tol=tol, restarts=restarts)

@@ -1,0 +1,237 @@
+"""Partition, encode and decode of compressed tensors (ALGORITHM.md steps 1, 2 and 4).
+
+Every weight of a compressed tensor gets a uint8 code:
+    0          pruned (decodes to exactly 0)
+    1 .. K     quantized: index into the tensor's K ascending centres (ordinal, so deltas stay small)
+    K + 1      protected: the next value of the tensor's protected values, stored in position order
+Order of the partition: protect (top `protect_fraction` by magnitude OR by sensitivity, plus every NaN/Inf),
+then prune (the `prune_fraction` least important of the remaining weights of >= 2-D tensors, one threshold per
+layer type), then quantize the rest to the nearest of K centres from weighted k-means on their histogram.
+
+All per-weight work is one jitted function per layer type (so XLA runs the tensors' histogram passes side by
+side). The positions of protected weights are found on the host from the uint8 codes, which the host fetches
+anyway: a device-side prefix sum would cost more than the rest of the encoder on XLA's CPU backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inshrink_jax import kmeans, sketch, threshold
+from inshrink_jax.config import CompressionConfig, QuantConfig
+
+PRUNED = 0
+_BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
+_ATTENTION_WORDS = {"query", "key", "value", "qkv", "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "attn",
+                    "attention", "self_attn", "self_attention", "mha"}
+
+
+def protected_code(bins: int) -> int:
+    """The code of protected weights in a tensor quantized to `bins` levels."""
+    return bins + 1
+
+
+def layer_type(path: str, shape: Sequence[int], rules: Sequence[tuple[str, str]] = ()) -> str:
+    """Layer type of a leaf, which decides the prune threshold it shares and its number of bins.
+
+    `rules` ((regex, type) pairs, first match on `path` wins) override the default rule:
+    < 2 dimensions -> "other" (never pruned); a path part naming an embedding -> "embedding"; a path part naming
+    attention (query/key/value/attn/...) -> "attention"; "conv" in the path or >= 3 dimensions -> "conv";
+    otherwise "dense".
+    """
+    for pattern, kind in rules:
+        if re.search(pattern, path):
+            return kind
+    if len(shape) < 2:
+        return "other"
+    parts = [p for p in re.split(r"[/.\[\]'\"()\s,]+", path.lower()) if p]
+    if any("embed" in p for p in parts):
+        return "embedding"
+    if any(p in _ATTENTION_WORDS or "attention" in p or "attn" in p for p in parts):
+        return "attention"
+    if any("conv" in p for p in parts) or len(shape) >= 3:
+        return "conv"
+    return "dense"
+
+
+class EncodedTensor(NamedTuple):
+    """One compressed tensor on the host.
+
+    Attributes:
+      codes: uint8 array of the tensor's shape (see the module docstring).
+      centres: float32 (K,), ascending.
+      protected: values of the protected weights in row-major position order (bfloat16, float32, or the leaf's
+        own dtype when it is 16-bit).
+      dtype: the leaf's dtype name, restored on decode.
+    """
+
+    codes: np.ndarray
+    centres: np.ndarray
+    protected: np.ndarray
+    dtype: str
+
+    @property
+    def bins(self) -> int:
+        return int(self.centres.shape[0])
+
+
+def protected_storage_dtype(dtype, cfg: CompressionConfig) -> np.dtype:
+    """Storage dtype of protected values: the leaf's own if it is 16-bit (exact), else the configured one."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize <= 2:
+        return dtype
+    return jnp.dtype(cfg.protected_dtype)
+
+
+def _round_count(fraction: jax.Array, n: jax.Array) -> jax.Array:
+    """round(fraction * n), halves up: the number of weights a fraction selects."""
+    return jnp.floor(fraction * n.astype(jnp.float32) + 0.5).astype(jnp.int32)
+
+
+def _scores(x: jax.Array, g: jax.Array | None):
+    """float32 magnitude |w| and sensitivity |g * w| (step 1), 0 where not finite, and the finite mask."""
+    x32 = x.astype(jnp.float32)
+    finite = jnp.isfinite(x32)
+    mag = jnp.where(finite, jnp.abs(x32), 0.0)
+    if g is None:
+        return x32, finite, mag, mag
+    sens = jnp.abs(g.astype(jnp.float32) * x32)
+    return x32, finite, mag, jnp.where(jnp.isfinite(sens), sens, 0.0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("bins", "prune_metric", "prunable", "spec", "sigma", "iters", "tol", "restarts")
+)
+def _encode_group(xs, gs, protect_fraction, prune_fraction, key, *, bins, prune_metric, prunable, spec, sigma,
+                  iters, tol, restarts):
+    """Codes and centres of the tensors of one layer type (they share the prune threshold)."""
+    scored = [_scores(x, g) for x, g in zip(xs, gs)]
+    protected = []
+    for (x32, finite, mag, sens), g in zip(scored, gs):
+        k = _round_count(protect_fraction, jnp.sum(finite.astype(jnp.int32)))
+        p = threshold.kth_largest([mag], [finite], k).select(mag)
+        if g is not None:
+            p = p | threshold.kth_largest([sens], [finite], k).select(sens)
+        protected.append(p | ~finite)
+
+    metric = [(mag if prune_metric == "magnitude" else sens) for (_, _, mag, sens) in scored]
+    candidates = [~p & can for p, can in zip(protected, prunable)]
+    if any(prunable):
+        n = sum(jnp.sum(c.astype(jnp.int32)) for c in candidates)
+        keep, _ = threshold.kth_smallest_complement(metric, candidates, _round_count(prune_fraction, n))
+        pruned = [c & ~keep.select(m) for c, m in zip(candidates, metric)]
+    else:
+        pruned = [jnp.zeros_like(p) for p in protected]
+
+    codes, centres = [], []
+    for i, ((x32, _, _, _), p, q) in enumerate(zip(scored, protected, pruned)):
+        quantized = ~p & ~q
+        counts = sketch.histogram(x32, spec, quantized)
+        c = kmeans.histogram_kmeans(counts, spec, bins, sigma, jax.random.fold_in(key, i), iters=iters, tol=tol,
+                                    restarts=restarts)
+        level = 1 + kmeans.assign(x32, c)
+        codes.append(jnp.where(p, protected_code(bins), jnp.where(q, PRUNED, level)).astype(jnp.uint8))
+        centres.append(c)
+    return codes, centres
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype",))
+def _gather(x, flat_positions, *, out_dtype):
+    values = x.reshape(-1)[flat_positions]
+    if jnp.dtype(out_dtype) == jnp.bfloat16 and x.dtype == jnp.float32:
+        # A finite float32 beyond bfloat16's range would round to Inf: keep it finite.
+        values = jnp.where(jnp.isfinite(values), jnp.clip(values, -_BF16_MAX, _BF16_MAX), values)
+    return values.astype(out_dtype)
+
+
+def _padded(positions: np.ndarray, fill: int) -> np.ndarray:
+    """Pad to the next power of two so jitted gathers/scatters compile once per size class, not per count."""
+    size = 1 << max(int(positions.size - 1).bit_length(), 4)
+    out = np.full(size, fill, np.int32)
+    out[: positions.size] = positions
+    return out
+
+
+def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:
+    """Flat row-major positions of the protected weights (host, vectorised)."""
+    return np.flatnonzero(codes.reshape(-1) == protected_code(bins)).astype(np.int32)
+
+
+def gather_protected(x: jax.Array, codes: np.ndarray, bins: int, dtype) -> np.ndarray:
+    """Values of `x` at its protected positions, in position order, cast to storage `dtype` (host array)."""
+    pos = protected_positions(codes, bins)
+    if pos.size == 0:
+        return np.zeros((0,), dtype)
+    return np.asarray(_gather(x, _padded(pos, 0), out_dtype=jnp.dtype(dtype)))[: pos.size]
+
+
+def encode_tensors(
+    xs: Sequence[jax.Array],
+    gs: Sequence[jax.Array | None],
+    layer_types: Sequence[str],
+    quant: QuantConfig,
+    cfg: CompressionConfig,
+    key: jax.Array | None = None,
+) -> list[EncodedTensor]:
+    """Encode several tensors; those of the same layer type share one prune threshold.
+
+    Args:
+      xs: float arrays (float32, bfloat16, float16), any shape and sharding.
+      gs: gradient EMA for each tensor (same shape), or None to use magnitude as sensitivity.
+      layer_types: one of config.LAYER_TYPES per tensor (see `layer_type`).
+      quant: the configuration (bins, fractions, prune metric).
+      cfg: the method's parameters.
+      key: PRNG key for k-means++; defaults to PRNGKey(cfg.seed).
+
+    Returns:
+      One `EncodedTensor` per input, in order.
+    """
+    if not (len(xs) == len(gs) == len(layer_types)):
+        raise ValueError("encode_tensors needs one gradient (or None) and one layer type per tensor")
+    key = jax.random.PRNGKey(cfg.seed) if key is None else key
+    spec = sketch.SketchSpec(cfg.alpha)
+    out: list[EncodedTensor | None] = [None] * len(xs)
+    for t, kind in enumerate(sorted(set(layer_types))):
+        idx = [i for i, lt in enumerate(layer_types) if lt == kind]
+        bins = quant.bins_for(kind)
+        codes, centres = _encode_group(
+            [xs[i] for i in idx], [gs[i] for i in idx], jnp.float32(quant.protect_fraction),
+            jnp.float32(quant.prune_fraction), jax.random.fold_in(key, t),
+            bins=bins, prune_metric=quant.prune_metric, prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec,
+            sigma=cfg.sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
+        )
+        for i, c, cen in zip(idx, codes, centres):
+            host_codes = np.asarray(c)
+            pdtype = protected_storage_dtype(xs[i].dtype, cfg)
+            out[i] = EncodedTensor(host_codes, np.asarray(cen), gather_protected(xs[i], host_codes, bins, pdtype),
+                                   jnp.dtype(xs[i].dtype).name)
+    return out  # type: ignore[return-value]
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _decode(codes, centres, flat_positions, values, *, dtype):
+    table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
+    out = table.astype(dtype)[codes]
+    # Padded positions point past the end and are dropped.
+    return out.reshape(-1).at[flat_positions].set(values.astype(dtype), mode="drop").reshape(codes.shape)
+
+
+def decode(enc: EncodedTensor, device=None) -> jax.Array:
+    """The dequantized tensor (pruned -> 0, quantized -> its centre, protected -> its stored value), in the
+    original dtype, on `device` (default device if None)."""
+    pos = protected_positions(enc.codes, enc.bins)
+    if pos.size != enc.protected.size:
+        raise ValueError(
+            f"corrupt encoded tensor: {pos.size} protected codes but {enc.protected.size} protected values"
+        )
+    n = int(np.prod(enc.codes.shape))
+    values = np.zeros(_padded(pos, n).shape, enc.protected.dtype)
+    values[: pos.size] = enc.protected
+    put = functools.partial(jax.device_put, device=device)
+    return _decode(put(enc.codes), put(enc.centres), put(_padded(pos, n)), put(values), dtype=jnp.dtype(enc.dtype))

@@ -1,0 +1,92 @@
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from inshrink_jax import sketch
+
+SPEC = sketch.SketchSpec(0.01)
+QS = np.array([0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 1.0])
+TOL = SPEC.alpha + 1e-6  # alpha, plus float32 rounding of the representative itself
+
+
+def heavy_tailed(rng, n, zero_frac=0.1):
+    x = rng.standard_t(2.5, size=n).astype(np.float32) * np.float32(10.0 ** rng.uniform(-4, 2))
+    x[rng.random(n) < zero_frac] = 0.0
+    return x
+
+
+def assert_quantiles_within_alpha(x):
+    est = sketch.quantile(jax.jit(sketch.histogram, static_argnums=1)(jnp.asarray(x), SPEC), QS, SPEC)
+    exact = np.quantile(x.astype(np.float64), QS, method="lower")
+    err = np.abs(est.astype(np.float64) - exact)
+    assert np.all(err <= TOL * np.abs(exact)), (est, exact)
+
+
+@given(st.integers(1, 3000), st.integers(0, 2**31 - 1))
+def test_quantiles_within_alpha(n, seed):
+    assert_quantiles_within_alpha(heavy_tailed(np.random.default_rng(seed), n))
+
+
+@pytest.mark.parametrize("n", [1, 2, 10, 1000, 100_000, 10_000_000])
+def test_quantiles_within_alpha_sizes(n):
+    assert_quantiles_within_alpha(heavy_tailed(np.random.default_rng(n), n))
+
+
+def test_bucket_boundaries_are_exact():
+    # Just below gamma^k lies in bucket k, just above in bucket k + 1. (Within ~1e-7 of a boundary float32
+    # rounding may put a value in the neighbour, costing < 1e-6 of relative error: see TOL.)
+    ks = np.arange(-4300, 4400, 97)
+    bounds = np.exp(ks * math.log(SPEC.gamma))
+    for k, side, v in [(k, s, np.float32(b * (1 + s * 1e-5))) for k, b in zip(ks, bounds) for s in (-1, 1)]:
+        key = k if side < 0 else k + 1
+        assert int(sketch.bucket_index(jnp.float32(v), SPEC)) == SPEC.zero_index + 1 + key - SPEC.min_key
+        assert int(sketch.bucket_index(jnp.float32(-v), SPEC)) == SPEC.zero_index - 1 - (key - SPEC.min_key)
+
+
+def test_representative_within_alpha_of_every_value():
+    rng = np.random.default_rng(1)
+    x = (np.exp(rng.uniform(-80, 80, size=200_000)) * rng.choice([-1, 1], size=200_000)).astype(np.float32)
+    rep = SPEC.representatives()[np.asarray(sketch.bucket_index(jnp.asarray(x), SPEC))]
+    assert np.all(np.abs(rep.astype(np.float64) - x) <= TOL * np.abs(x.astype(np.float64)))
+
+
+def test_merge_equals_histogram_of_concatenation():
+    rng = np.random.default_rng(2)
+    parts = [heavy_tailed(rng, n) for n in (1, 17, 1000, 54321)]
+    merged = sketch.merge(*[sketch.histogram(jnp.asarray(p), SPEC) for p in parts])
+    whole = sketch.histogram(jnp.asarray(np.concatenate(parts)), SPEC)
+    np.testing.assert_array_equal(np.asarray(merged), np.asarray(whole))
+    assert int(whole.sum()) == sum(p.size for p in parts)
+
+
+def test_non_finite_and_masked_values_are_not_counted():
+    x = jnp.asarray([1.0, np.nan, np.inf, -np.inf, 0.0, -2.0], jnp.float32)
+    h = sketch.histogram(x, SPEC)
+    assert int(h.sum()) == 3
+    assert int(h[SPEC.zero_index]) == 1
+    h = sketch.histogram(x, SPEC, mask=jnp.asarray([True, True, True, True, False, False]))
+    assert int(h.sum()) == 1
+
+
+def test_empty_histogram_quantile_is_nan():
+    assert np.isnan(sketch.quantile(np.zeros(SPEC.num_buckets, np.int32), 0.5, SPEC))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_inputs(dtype):
+    x = heavy_tailed(np.random.default_rng(3), 5000).astype(dtype)
+    assert_quantiles_within_alpha(np.asarray(x).astype(np.float32))
+
+
+def test_sharded_histogram_equals_single_device_without_gathering():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("d",))
+    x = heavy_tailed(np.random.default_rng(4), 4 * 4096).reshape(64, 256)
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None)))
+    f = jax.jit(sketch.histogram, static_argnums=1)
+    np.testing.assert_array_equal(np.asarray(f(sharded, SPEC)), np.asarray(f(jnp.asarray(x), SPEC)))
+    hlo = f.lower(sharded, SPEC).compile().as_text()
+    assert "all-gather" not in hlo  # one all-reduce of the counts, the tensor itself stays in place
