@@ -36,29 +36,37 @@ def assign(points: jax.Array, centres: jax.Array) -> jax.Array:
 
 
 def loss(points: jax.Array, weights: jax.Array, centres: jax.Array) -> jax.Array:
-    """Weighted sum of squared distances to the nearest centre."""
-    return jnp.sum(weights * (points - centres[assign(points, centres)]) ** 2)
+    """Weighted sum of squared distances to the nearest centre (points of weight 0 ignored)."""
+    d2 = (points - centres[assign(points, centres)]) ** 2
+    return jnp.sum(jnp.where(weights > 0, weights * d2, 0.0))
 
 
 def kmeans_pp_init(points: jax.Array, weights: jax.Array, k: int, key: jax.Array) -> jax.Array:
-    """Weighted k-means++: k centres drawn with probability ~ weight * squared distance to the chosen ones."""
+    """Weighted k-means++: k centres drawn with probability ~ weight * squared distance to the chosen ones.
 
-    def log_p(p):
-        return jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+    One uniform draw per centre, inverted through the cumulative distribution (cheaper than a categorical
+    draw over thousands of buckets).
+    """
+    present = weights > 0
 
-    keys = jax.random.split(key, k)
-    first = points[jax.random.categorical(keys[0], log_p(weights))]
-    d2 = (points - first) ** 2
+    def dist2(c):  # 0 for absent points, whose value may be far out (a histogram's empty end buckets)
+        return jnp.where(present, (points - c) ** 2, 0.0)
+
+    def draw(u, p):
+        cum = jnp.cumsum(p)
+        return points[jnp.clip(jnp.searchsorted(cum, u * cum[-1], side="right"), 0, points.shape[0] - 1)]
+
+    us = jax.random.uniform(key, (k,))
+    first = draw(us[0], weights)
 
     def body(i, carry):
         centres, d2 = carry
         p = weights * d2
         # Fewer distinct points than k: every point is already a centre, so repeat by weight.
-        p = jnp.where(jnp.sum(p) > 0, p, weights)
-        c = points[jax.random.categorical(keys[i], log_p(p))]
-        return centres.at[i].set(c), jnp.minimum(d2, (points - c) ** 2)
+        c = draw(us[i], jnp.where(jnp.sum(p) > 0, p, weights))
+        return centres.at[i].set(c), jnp.minimum(d2, dist2(c))
 
-    centres, _ = jax.lax.fori_loop(1, k, body, (jnp.full((k,), first), d2))
+    centres, _ = jax.lax.fori_loop(1, k, body, (jnp.full((k,), first), dist2(first)))
     return jnp.sort(centres)
 
 
@@ -69,12 +77,14 @@ def lloyd(points: jax.Array, weights: jax.Array, centres: jax.Array, iters: int,
     present = weights > 0
     spread = jnp.max(jnp.where(present, points, -jnp.inf)) - jnp.min(jnp.where(present, points, jnp.inf))
     limit = tol * jnp.where(jnp.isfinite(spread), spread, 0.0)
+    wx = jnp.where(present, weights * points, 0.0)
 
     def step(carry):
         c, _, it = carry
-        a = assign(points, c)
+        # Binary search against the k - 1 midpoints (ties go to the lower centre, as in `assign`).
+        a = jnp.searchsorted(0.5 * (c[1:] + c[:-1]), points, side="left")
         wsum = jax.ops.segment_sum(weights, a, num_segments=k)
-        vsum = jax.ops.segment_sum(weights * points, a, num_segments=k)
+        vsum = jax.ops.segment_sum(wx, a, num_segments=k)
         new = jnp.sort(jnp.where(wsum > 0, vsum / jnp.where(wsum > 0, wsum, 1.0), c))
         return new, jnp.max(jnp.abs(new - c)), it + 1
 

@@ -129,16 +129,18 @@ def _encode_group(xs, gs, protect_fraction, prune_fraction, key, *, bins, prune_
     else:
         pruned = [jnp.zeros_like(p) for p in protected]
 
-    codes, centres = [], []
-    for i, ((x32, _, _, _), p, q) in enumerate(zip(scored, protected, pruned)):
-        quantized = ~p & ~q
-        counts = sketch.histogram(x32, spec, quantized)
-        c = kmeans.histogram_kmeans(counts, spec, bins, sigma, jax.random.fold_in(key, i), iters=iters, tol=tol,
-                                    restarts=restarts)
+    quantized = [~p & ~q for p, q in zip(protected, pruned)]
+    counts = jnp.stack([sketch.histogram(x32, spec, m) for (x32, _, _, _), m in zip(scored, quantized)])
+    keys = jax.random.split(key, len(xs))
+    # One batched k-means for all tensors of the group: the iteration overhead is paid once.
+    centres = jax.vmap(
+        lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol, restarts=restarts)
+    )(counts, keys)
+    codes = []
+    for (x32, _, _, _), p, q, c in zip(scored, protected, pruned, centres):
         level = 1 + kmeans.assign(x32, c)
         codes.append(jnp.where(p, protected_code(bins), jnp.where(q, PRUNED, level)).astype(jnp.uint8))
-        centres.append(c)
-    return codes, centres
+    return codes, list(centres)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype",))

@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-_LOW_BITS = 18
+_LOW_BITS = 16
 _HIGH_BUCKETS = 1 << (31 - _LOW_BITS)
 _LOW_BUCKETS = 1 << _LOW_BITS
 

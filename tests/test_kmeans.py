@@ -1,0 +1,85 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inshrink_jax import kmeans, sketch
+
+SPEC = sketch.SketchSpec(0.01)
+
+
+def optimal_kmeans_loss(x, w, k):
+    """Exact optimum of weighted 1-D k-means by dynamic programming over sorted points (O(k m^2))."""
+    order = np.argsort(x)
+    x, w = x[order].astype(np.float64), w[order].astype(np.float64)
+    m = x.size
+    cw, cwx, cwx2 = (np.concatenate([[0.0], np.cumsum(v)]) for v in (w, w * x, w * x * x))
+
+    def cost(i, j):  # points i..j-1 (vectorised over i)
+        sw = cw[j] - cw[i]
+        swx = cwx[j] - cwx[i]
+        return np.where(sw > 0, (cwx2[j] - cwx2[i]) - swx * swx / np.where(sw > 0, sw, 1.0), 0.0)
+
+    best = np.array([cost(0, j) for j in range(m + 1)])
+    for _ in range(1, k):
+        best = np.array([np.min(best[: j + 1] + cost(np.arange(j + 1), j)) for j in range(m + 1)])
+    return best[m]
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 6, 8])
+def test_weighted_bucket_loss_near_optimal(k):
+    ratios = []
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        x = (rng.standard_t(3, 300) * 0.1).astype(np.float32)
+        counts = sketch.histogram(jnp.asarray(x), SPEC)
+        values = jnp.asarray(SPEC.representatives())
+        w = kmeans.bucket_weights(counts, values, 0.2)
+        c = kmeans.histogram_kmeans(counts, SPEC, k, 0.2, jax.random.PRNGKey(seed), restarts=3)
+        got = float(kmeans.loss(values, w, c))
+        nz = np.asarray(w) > 0
+        opt = optimal_kmeans_loss(np.asarray(values)[nz], np.asarray(w)[nz], k)
+        ratios.append(got / opt if opt > 0 else 1.0)
+    assert np.mean(ratios) <= 1.1, ratios
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_raw_data_loss_near_optimal_with_count_weights(k):
+    # sigma = 1 weighs buckets by count only: the plain k-means objective, solved on the sketch.
+    ratios = []
+    for seed in range(12):
+        x = (np.random.default_rng(100 + seed).standard_t(3, 250) * 0.1).astype(np.float32)
+        c = np.asarray(kmeans.histogram_kmeans(sketch.histogram(jnp.asarray(x), SPEC), SPEC, k, 1.0,
+                                               jax.random.PRNGKey(seed), restarts=3))
+        got = float(np.sum((x - c[np.asarray(kmeans.assign(jnp.asarray(x), jnp.asarray(c)))]) ** 2))
+        ratios.append(got / optimal_kmeans_loss(x, np.ones_like(x), k))
+    assert np.mean(ratios) <= 1.1, ratios
+
+
+@pytest.mark.parametrize("k", [2, 3, 5, 7, 12, 32])
+def test_centres_sorted_finite_any_k(k):
+    x = jnp.asarray(np.random.default_rng(k).normal(size=5000).astype(np.float32))
+    c = np.asarray(kmeans.histogram_kmeans(sketch.histogram(x, SPEC), SPEC, k, 0.2, jax.random.PRNGKey(0)))
+    assert c.shape == (k,) and np.all(np.isfinite(c)) and np.all(np.diff(c) >= 0)
+    assert np.unique(c).size == k  # 5000 distinct values: no centre wasted
+
+
+def test_fewer_distinct_values_than_k():
+    x = jnp.asarray([0.5, 0.5, -1.0, 2.0] * 10, jnp.float32)
+    c = np.asarray(kmeans.histogram_kmeans(sketch.histogram(x, SPEC), SPEC, 8, 0.2, jax.random.PRNGKey(0)))
+    assert np.all(np.isfinite(c)) and np.all(np.diff(c) >= 0)
+    reps = SPEC.representatives()[np.asarray(sketch.bucket_index(x, SPEC))]
+    assert set(np.unique(reps)) <= set(c)  # each distinct value has its own centre
+
+
+def test_empty_data_gives_zero_centres():
+    c = kmeans.histogram_kmeans(jnp.zeros(SPEC.num_buckets, jnp.int32), SPEC, 4, 0.2, jax.random.PRNGKey(0))
+    np.testing.assert_array_equal(np.asarray(c), np.zeros(4))
+
+
+def test_deterministic_given_key():
+    x = jnp.asarray(np.random.default_rng(5).normal(size=3000).astype(np.float32))
+    h = sketch.histogram(x, SPEC)
+    a = kmeans.histogram_kmeans(h, SPEC, 6, 0.2, jax.random.PRNGKey(7))
+    b = kmeans.histogram_kmeans(h, SPEC, 6, 0.2, jax.random.PRNGKey(7))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,157 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inshrink_jax import CompressionConfig, QuantConfig, quantize
+
+CFG = CompressionConfig()
+
+
+def weights(shape, seed, scale=0.05):
+    return (np.random.default_rng(seed).standard_t(3, size=shape) * scale).astype(np.float32)
+
+
+def top(s, k):
+    return set(np.argsort(-s.ravel(), kind="stable")[:k])
+
+
+def test_partition_fractions_are_exact():
+    qc = QuantConfig(bins=8, prune_fraction=0.3, protect_fraction=0.01, prune_metric="sensitivity")
+    shapes = [(64, 128), (3, 3, 16, 32), (32, 64), (300,)]
+    xs = [weights(s, i) for i, s in enumerate(shapes)]
+    gs = [np.random.default_rng(10 + i).normal(size=s).astype(np.float32) for i, s in enumerate(shapes)]
+    kinds = ["dense", "conv", "dense", "other"]
+    encs = quantize.encode_tensors([jnp.asarray(x) for x in xs], [jnp.asarray(g) for g in gs], kinds, qc, CFG)
+    prunable = {"dense": 0, "conv": 0}
+    pruned = {"dense": 0, "conv": 0}
+    for x, g, kind, enc in zip(xs, gs, kinds, encs):
+        codes = enc.codes.ravel()
+        k = int(np.floor(0.01 * x.size + 0.5))
+        expect = top(np.abs(x), k) | top(np.abs(g * x), k)
+        assert set(np.flatnonzero(codes == 9)) == expect
+        if kind == "other":
+            assert not np.any(codes == 0)  # 1-D leaves are never pruned
+        else:
+            prunable[kind] += x.size - len(expect)
+            pruned[kind] += int(np.sum(codes == 0))
+            # pruned = the least sensitive of the unprotected
+            sens = np.abs(g * x).ravel()
+            free = codes != 9
+            assert sens[codes == 0].max() < sens[free & (codes != 0)].min()
+    for kind in prunable:
+        assert pruned[kind] == int(np.floor(0.3 * prunable[kind] + 0.5))
+
+
+def test_magnitude_prune_metric_and_no_grads():
+    x = weights((128, 128), 3)
+    qc = QuantConfig(bins=4, prune_fraction=0.5, protect_fraction=0.005)
+    (enc,) = quantize.encode_tensors([jnp.asarray(x)], [None], ["dense"], qc, CFG)
+    codes = enc.codes.ravel()
+    k = int(np.floor(0.005 * x.size + 0.5))
+    assert set(np.flatnonzero(codes == 5)) == top(np.abs(x), k)  # without grads: magnitude alone
+    assert int(np.sum(codes == 0)) == int(np.floor(0.5 * (x.size - k) + 0.5))
+    assert np.abs(x).ravel()[codes == 0].max() < np.abs(x).ravel()[(codes > 0) & (codes < 5)].min()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("protected_dtype", ["bfloat16", "float32"])
+def test_round_trip(dtype, protected_dtype):
+    cfg = CompressionConfig(protected_dtype=protected_dtype)
+    x = weights((96, 80), 4).astype(dtype)
+    x = np.asarray(x)
+    x[0, :3] = [np.nan, np.inf, -np.inf]
+    qc = QuantConfig(bins=6, prune_fraction=0.2, protect_fraction=0.01)
+    (enc,) = quantize.encode_tensors([jnp.asarray(x)], [None], ["dense"], qc, cfg)
+    y = np.asarray(quantize.decode(enc))
+    assert y.dtype == np.dtype(dtype)
+    codes = enc.codes
+    assert np.all(y[codes == 0] == 0)
+    level = (codes >= 1) & (codes <= 6)
+    np.testing.assert_array_equal(y[level], enc.centres.astype(dtype)[codes[level] - 1])
+    prot = codes == 7
+    assert np.isnan(y[0, 0]) and y[0, 1] == np.inf and y[0, 2] == -np.inf and prot[0, :3].all()
+    xp, yp = x[prot].astype(np.float64), y[prot].astype(np.float64)
+    fin = np.isfinite(xp)
+    if np.dtype(dtype).itemsize == 2 or protected_dtype == "float32":
+        np.testing.assert_array_equal(yp[fin], xp[fin])  # exact
+    else:
+        assert np.all(np.abs(yp[fin] - xp[fin]) <= 2.0**-8 * np.abs(xp[fin]))  # bfloat16 rounding
+    # Quantized weights went to their nearest centre.
+    c = enc.centres.astype(np.float64)
+    xq = x[level].astype(np.float64)
+    assert np.all(np.abs(xq - c[codes[level] - 1]) <= np.min(np.abs(xq[:, None] - c[None, :]), axis=1) + 1e-6)
+
+
+def test_all_zero_constant_and_tiny_tensors():
+    qc = QuantConfig(bins=4, prune_fraction=0.0, protect_fraction=0.01)
+    # Zeros are exact; a constant decodes to its sketch bucket's representative (within alpha); a tensor too
+    # small to protect anything still round-trips within alpha.
+    for x, exact in [(np.zeros((50, 40), np.float32), True), (np.full((50, 40), 0.125, np.float32), False),
+                     (np.array([[1.5, -2.0]], np.float32), False)]:
+        (enc,) = quantize.encode_tensors([jnp.asarray(x)], [None], ["dense"], qc, CFG)
+        y = np.asarray(quantize.decode(enc))
+        if exact:
+            np.testing.assert_array_equal(y, x)
+        else:
+            assert np.all(np.abs(y - x) <= (CFG.alpha + 1e-6) * np.abs(x))
+
+
+def test_sharded_encode_is_bit_identical_to_single_device():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
+    xs = [weights((256, 128), 5), weights((3, 3, 32, 64), 6)]
+    gs = [np.random.default_rng(7 + i).normal(size=x.shape).astype(np.float32) for i, x in enumerate(xs)]
+    qc = QuantConfig(bins=12, prune_fraction=0.2, protect_fraction=0.005, prune_metric="sensitivity")
+    kinds = ["dense", "conv"]
+    single = quantize.encode_tensors([jnp.asarray(x) for x in xs], [jnp.asarray(g) for g in gs], kinds, qc, CFG)
+    shardings = [sh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, "a", "b"))]
+    sharded = quantize.encode_tensors([jax.device_put(x, s) for x, s in zip(xs, shardings)],
+                                      [jax.device_put(g, s) for g, s in zip(gs, shardings)], kinds, qc, CFG)
+    for a, b in zip(single, sharded):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.centres, b.centres)
+        np.testing.assert_array_equal(a.protected.view(np.uint16), b.protected.view(np.uint16))
+
+
+@pytest.mark.parametrize(
+    "path,shape,kind",
+    [
+        ("params/Dense_0/kernel", (64, 32), "dense"),
+        ("params/Dense_0/bias", (32,), "other"),
+        ("params/Conv_0/kernel", (3, 3, 1, 16), "conv"),
+        ("params/encoder/attention/query/kernel", (64, 4, 16), "attention"),
+        ("params/Embed_0/embedding", (1000, 64), "embedding"),
+        ("params/block/mlp/w", (3, 4, 5), "conv"),
+        ("params/monkey/kernel", (8, 8), "dense"),
+    ],
+)
+def test_default_layer_type_rule(path, shape, kind):
+    assert quantize.layer_type(path, shape) == kind
+
+
+def test_layer_type_rules_override():
+    assert quantize.layer_type("params/head/kernel", (8, 8), (("head", "embedding"),)) == "embedding"
+    with pytest.raises(ValueError, match="layer_type_rules"):
+        CompressionConfig(layer_type_rules=(("head", "lstm"),))
+
+
+def test_embedding_bins_used_for_embeddings():
+    qc = QuantConfig(bins=4, embedding_bins=16, protect_fraction=0.0)
+    x = jnp.asarray(weights((200, 64), 8))
+    dense, emb = quantize.encode_tensors([x, x], [None, None], ["dense", "embedding"], qc, CFG)
+    assert dense.bins == 4 and emb.bins == 16
+    assert np.mean((np.asarray(quantize.decode(emb)) - x) ** 2) < np.mean((np.asarray(quantize.decode(dense)) - x) ** 2)
+
+
+def test_corrupt_protected_count_is_an_error():
+    (enc,) = quantize.encode_tensors([jnp.asarray(weights((64, 64), 9))], [None], ["dense"], QuantConfig(), CFG)
+    with pytest.raises(ValueError, match="protected"):
+        quantize.decode(enc._replace(protected=enc.protected[:-1]))
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="bins"):
+        QuantConfig(bins=300)
+    with pytest.raises(ValueError, match="prune_metric"):
+        QuantConfig(prune_metric="random")

@@ -1,0 +1,64 @@
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, strategies as st
+
+from inshrink_jax import threshold
+
+
+def expected_top(scores, k):
+    """Reference: the k largest, ties at the cut included only if all of them fit."""
+    if k == 0:
+        return np.zeros(scores.shape, bool)
+    t = np.sort(scores)[::-1][min(k, scores.size) - 1]
+    ge = scores >= t
+    return ge if ge.sum() <= k else scores > t
+
+
+@given(st.integers(1, 2000), st.integers(0, 2**31 - 1), st.booleans(), st.floats(0, 1))
+def test_kth_largest_matches_sort(n, seed, with_ties, frac):
+    rng = np.random.default_rng(seed)
+    if with_ties:
+        s = rng.integers(0, 20, n).astype(np.float32) * np.float32(0.37)
+    else:
+        s = np.abs(rng.standard_t(2, n)).astype(np.float32) * np.float32(10.0 ** rng.uniform(-30, 30))
+    k = int(round(frac * n))
+    t = threshold.kth_largest([jnp.asarray(s)], [jnp.ones(n, bool)], k)
+    got = np.asarray(t.select(jnp.asarray(s)))
+    np.testing.assert_array_equal(got, expected_top(s, k))
+    if not with_ties:
+        assert got.sum() == k
+
+
+def test_kth_largest_over_several_masked_tensors_equals_concatenation():
+    rng = np.random.default_rng(0)
+    parts = [np.abs(rng.normal(size=shape)).astype(np.float32) for shape in [(7,), (30, 40), (5, 6, 7)]]
+    masks = [rng.random(p.shape) < 0.8 for p in parts]
+    k = 321
+    t = threshold.kth_largest([jnp.asarray(p) for p in parts], [jnp.asarray(m) for m in masks], k)
+    flat = np.concatenate([p[m] for p, m in zip(parts, masks)])
+    ref = np.sort(flat)[::-1][k - 1]
+    assert float(t.value) == ref
+    assert sum(int((np.asarray(t.select(jnp.asarray(p))) & m).sum()) for p, m in zip(parts, masks)) == k
+
+
+def test_kth_smallest_complement_prunes_exactly_k_or_fewer_at_ties():
+    rng = np.random.default_rng(1)
+    s = np.abs(rng.normal(size=10_000)).astype(np.float32)
+    keep, n = threshold.kth_smallest_complement([jnp.asarray(s)], [jnp.ones(s.shape, bool)], 2500)
+    pruned = ~np.asarray(keep.select(jnp.asarray(s)))
+    assert int(n) == 10_000 and pruned.sum() == 2500
+    assert s[pruned].max() < s[~pruned].min()
+    # All-equal scores (e.g. zero gradients): pruning any of them would exceed k, so none is pruned.
+    z = jnp.zeros(1000)
+    keep, _ = threshold.kth_smallest_complement([z], [jnp.ones(1000, bool)], 100)
+    assert int((~keep.select(z)).sum()) == 0
+    # Prune everything.
+    keep, _ = threshold.kth_smallest_complement([jnp.asarray(s)], [jnp.ones(s.shape, bool)], 10_000)
+    assert int((~keep.select(jnp.asarray(s))).sum()) == 10_000
+
+
+def test_k_zero_selects_nothing_and_k_past_count_selects_all():
+    s = jnp.asarray([0.0, 1.0, 2.0, 3.0])
+    m = jnp.ones(4, bool)
+    assert int(threshold.kth_largest([s], [m], 0).select(s).sum()) == 0
+    assert int(threshold.kth_largest([s], [m], 99).select(s).sum()) == 4
