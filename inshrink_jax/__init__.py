@@ -1,6 +1,21 @@
-"""inshrink_jax: dynamic-quantization checkpoint compression for JAX/Flax training checkpoints."""
+"""inshrink_jax: dynamic-quantization checkpoint compression for JAX/Flax training checkpoints.
+
+    handler = inshrink_jax.InshrinkCheckpointHandler(inshrink_jax.CompressionConfig())
+    mngr = orbax.checkpoint.CheckpointManager(path, item_handlers=handler)
+    mngr.save(step, args=inshrink_jax.InshrinkSave(state, grads=grad_ema))
+    state = mngr.restore(step, args=inshrink_jax.InshrinkRestore(abstract_state))
+"""
 
 from inshrink_jax.config import CompressionConfig, QuantConfig
+from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave
+from inshrink_jax.store import CheckpointCorruptError
 
-__all__ = ["CompressionConfig", "QuantConfig"]
+__all__ = [
+    "CheckpointCorruptError",
+    "CompressionConfig",
+    "InshrinkCheckpointHandler",
+    "InshrinkRestore",
+    "InshrinkSave",
+    "QuantConfig",
+]
 __version__ = "0.1.0"

@@ -173,15 +173,23 @@ def gather_protected(x: jax.Array, codes: np.ndarray, bins: int, dtype) -> np.nd
     return np.asarray(_gather(x, _padded(pos, 0), out_dtype=jnp.dtype(dtype)))[: pos.size]
 
 
-def encode_tensors(
+class DeviceCodes(NamedTuple):
+    """Encoder output still on the device(s): codes with the input's sharding, replicated centres."""
+
+    codes: jax.Array
+    centres: jax.Array
+    bins: int
+
+
+def encode_on_device(
     xs: Sequence[jax.Array],
     gs: Sequence[jax.Array | None],
     layer_types: Sequence[str],
     quant: QuantConfig,
     cfg: CompressionConfig,
     key: jax.Array | None = None,
-) -> list[EncodedTensor]:
-    """Encode several tensors; those of the same layer type share one prune threshold.
+) -> list[DeviceCodes]:
+    """Run the jitted encoder; tensors of the same layer type share one prune threshold.
 
     Args:
       xs: float arrays (float32, bfloat16, float16), any shape and sharding.
@@ -192,13 +200,13 @@ def encode_tensors(
       key: PRNG key for k-means++; defaults to PRNGKey(cfg.seed).
 
     Returns:
-      One `EncodedTensor` per input, in order.
+      One `DeviceCodes` per input, in order (nothing copied to the host yet).
     """
     if not (len(xs) == len(gs) == len(layer_types)):
-        raise ValueError("encode_tensors needs one gradient (or None) and one layer type per tensor")
+        raise ValueError("encode needs one gradient (or None) and one layer type per tensor")
     key = jax.random.PRNGKey(cfg.seed) if key is None else key
     spec = sketch.SketchSpec(cfg.alpha)
-    out: list[EncodedTensor | None] = [None] * len(xs)
+    out: list[DeviceCodes | None] = [None] * len(xs)
     for t, kind in enumerate(sorted(set(layer_types))):
         idx = [i for i, lt in enumerate(layer_types) if lt == kind]
         bins = quant.bins_for(kind)
@@ -209,11 +217,29 @@ def encode_tensors(
             sigma=cfg.sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
         )
         for i, c, cen in zip(idx, codes, centres):
-            host_codes = np.asarray(c)
-            pdtype = protected_storage_dtype(xs[i].dtype, cfg)
-            out[i] = EncodedTensor(host_codes, np.asarray(cen), gather_protected(xs[i], host_codes, bins, pdtype),
-                                   jnp.dtype(xs[i].dtype).name)
+            out[i] = DeviceCodes(c, cen, bins)
     return out  # type: ignore[return-value]
+
+
+def to_host(x: jax.Array, dev: DeviceCodes, protected_dtype) -> EncodedTensor:
+    """Copy one encoded tensor (or one shard of it: `x` and `dev.codes` then are the shard's data on its
+    device) to the host, with its protected values gathered on the device."""
+    host_codes = np.asarray(dev.codes)
+    return EncodedTensor(host_codes, np.asarray(dev.centres),
+                         gather_protected(x, host_codes, dev.bins, protected_dtype), jnp.dtype(x.dtype).name)
+
+
+def encode_tensors(
+    xs: Sequence[jax.Array],
+    gs: Sequence[jax.Array | None],
+    layer_types: Sequence[str],
+    quant: QuantConfig,
+    cfg: CompressionConfig,
+    key: jax.Array | None = None,
+) -> list[EncodedTensor]:
+    """`encode_on_device`, then each whole tensor copied to the host (single-process arrays)."""
+    devs = encode_on_device(xs, gs, layer_types, quant, cfg, key)
+    return [to_host(x, d, protected_storage_dtype(x.dtype, cfg)) for x, d in zip(xs, devs)]
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

@@ -1,0 +1,434 @@
+"""The Orbax adapter: `InshrinkCheckpointHandler` with its `InshrinkSave` / `InshrinkRestore` args.
+
+Thin by design: `async_save` runs the jitted encoder (quantize.py) and copies the small results to the host;
+the commit future entropy-codes them (codec.py) and writes them (store.py); `restore` reads, checks and
+decodes. See DESIGN.md sections 1-4 and docs/format.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint import options as options_lib
+from orbax.checkpoint._src import asyncio_utils
+
+from inshrink_jax import codec, quantize, store
+from inshrink_jax.config import CompressionConfig
+
+_OPTIMIZER_NAMES = {"opt_state", "optimizer", "mu", "nu", "trace", "momentum"}
+_QUANTIZABLE = {"float32", "bfloat16", "float16"}
+
+
+# ----------------------------------------------------------------------------------------------- tree paths
+def _path_entries(path) -> list:
+    """A key path as JSON: [["d", key], ["a", name], ["s", index], ...]."""
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            key = k.key
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"dict key {key!r} of type {type(key).__name__} cannot be stored; use str or int")
+            out.append(["d", key])
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(["a", k.name])
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(["s", k.idx])
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(["s", k.key])
+        else:
+            out.append(["a", str(k)])
+    return out
+
+
+def _unflatten_plain(entries: list[list], values: list) -> Any:
+    """Nested dicts (dict keys and attribute names) and lists (sequence indices) from leaf paths."""
+    if not entries:
+        return None
+    if entries[0] == []:
+        return values[0]
+    root: dict = {}
+    for path, v in zip(entries, values):
+        node = root
+        for kind, key in path[:-1]:
+            node = node.setdefault((kind == "s", key), {})
+        node[(path[-1][0] == "s", path[-1][1])] = v
+
+    def build(node):
+        if not isinstance(node, dict) or not node or not all(isinstance(k, tuple) for k in node):
+            return node
+        if all(is_seq for is_seq, _ in node):
+            return [build(node[k]) for k in sorted(node, key=lambda k: k[1])]
+        return {key: build(v) for (_, key), v in node.items()}
+
+    return build(root)
+
+
+def _part(path) -> str:
+    names = {getattr(k, "name", None) or getattr(k, "key", None) for k in path}
+    return "optimizer" if names & _OPTIMIZER_NAMES else "params"
+
+
+def _box(index: tuple, shape: tuple) -> list[list[int]]:
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
+
+
+def _is_prng_key(x) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+# ------------------------------------------------------------------------------------------------------ args
+class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
+    """Saves a training-state pytree with large float leaves quantized (ALGORITHM.md), the rest bit-exact.
+
+    One instance serves every step of a `CheckpointManager`. Use as the manager's `item_handlers`, or as one item
+    of a composite checkpoint through a handler registry.
+    """
+
+    def __init__(self, config: CompressionConfig | None = None, *,
+                 multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions()):
+        self.config = config or CompressionConfig()
+        self._primary_host = multiprocessing_options.primary_host or 0
+        self.last_figures: dict | None = None
+
+    # -------------------------------------------------------------------------------------------------- save
+    async def async_save(self, directory, args: "InshrinkSave" = None, **kwargs):
+        if args is None or not isinstance(args, InshrinkSave):
+            raise ValueError("InshrinkCheckpointHandler.save needs `args=inshrink_jax.InshrinkSave(state, ...)`")
+        t0 = time.perf_counter()
+        cfg = self.config
+        flat, _ = jax.tree_util.tree_flatten_with_path(args.state, is_leaf=lambda x: x is None)
+        grads = self._grads_by_path(args.grads)
+        leaves_meta, plans = [], []
+        quant_idx = []
+        for i, (path, x) in enumerate(flat):
+            keystr = jax.tree_util.keystr(path)
+            meta = {"path": _path_entries(path), "keystr": keystr}
+            if x is None or isinstance(x, (bool, int, float, str)):
+                if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 2**63:
+                    raise TypeError(f"leaf {keystr}: integer {x} does not fit in 64 bits")
+                meta.update(kind="scalar", value=x, type=type(x).__name__)
+            elif isinstance(x, (jax.Array, np.ndarray, np.generic)):
+                dtype = jnp.dtype(x.dtype) if not _is_prng_key(x) else None
+                part = _part(path) if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "other"
+                quantizable = (isinstance(x, jax.Array) and dtype is not None and dtype.name in _QUANTIZABLE
+                               and x.ndim >= 2 and x.size >= cfg.min_compress_size and part == "params")
+                meta.update(shape=list(x.shape), part=part if x.ndim >= 1 else "other",
+                            sharding=str(getattr(x, "sharding", "numpy")))
+                if _is_prng_key(x):
+                    meta.update(kind="prng_key", impl=str(jax.random.key_impl(x)), dtype="uint32",
+                                data_shape=list(jax.random.key_data(x).shape))
+                elif quantizable:
+                    meta.update(kind="quantized", dtype=dtype.name, layer_type=quantize.layer_type(
+                        keystr, x.shape, cfg.layer_type_rules))
+                    quant_idx.append(i)
+                else:
+                    meta.update(kind="array", dtype=dtype.name)
+            else:
+                raise TypeError(f"leaf {keystr} has unsupported type {type(x).__name__}; inshrink_jax stores "
+                                "jax/NumPy arrays, Python scalars, strings and None")
+            leaves_meta.append(meta)
+
+        # Device work: encode all quantized leaves, then copy what the commit needs to the host.
+        xs = [flat[i][1] for i in quant_idx]
+        gs = [grads.get(self._match(grads, leaves_meta[i]["keystr"])) for i in quant_idx]
+        devs = quantize.encode_on_device(xs, gs, [leaves_meta[i]["layer_type"] for i in quant_idx], cfg.quant, cfg)
+        host: list[tuple[int, list, Any]] = []  # (leaf, box, payload)
+        for i, x, dev in zip(quant_idx, xs, devs):
+            leaves_meta[i].update(bins=dev.bins, centres=[float(c) for c in np.asarray(dev.centres)])
+            pdtype = quantize.protected_storage_dtype(x.dtype, cfg)
+            x_by_index = {_key(s.index): s.data for s in x.addressable_shards}
+            for s in dev.codes.addressable_shards:
+                if s.replica_id != 0:
+                    continue
+                xs_data = x_by_index.get(_key(s.index))
+                xs_data = x[s.index] if xs_data is None else xs_data
+                enc = quantize.to_host(xs_data, quantize.DeviceCodes(s.data, dev.centres, dev.bins), pdtype)
+                host.append((i, _box(s.index, x.shape), enc))
+        for i, (path, x) in enumerate(flat):
+            kind = leaves_meta[i].get("kind")
+            if kind not in ("array", "prng_key"):
+                continue
+            data = jax.random.key_data(x) if kind == "prng_key" else x
+            if isinstance(data, jax.Array):
+                for s in data.addressable_shards:
+                    if s.replica_id == 0:
+                        host.append((i, _box(s.index, data.shape), np.array(s.data, copy=True)))
+            elif jax.process_index() == self._primary_host:
+                host.append((i, _box(tuple(slice(None) for _ in np.shape(data)), np.shape(data)),
+                             np.array(data, copy=True)))
+        blocking = time.perf_counter() - t0
+
+        raw = {"params": 0, "optimizer": 0, "other": 0}
+        for m, (_, x) in zip(leaves_meta, flat):
+            if "shape" in m:
+                raw[m["part"]] += int(np.prod(m.get("data_shape", m["shape"]))) * jnp.dtype(m["dtype"]).itemsize
+        manifest = {"format": store.FORMAT, "version": store.FORMAT_VERSION, "process_count": jax.process_count(),
+                    "config": _config_json(cfg), "quant": dataclasses.asdict(cfg.quant), "leaves": leaves_meta,
+                    "raw_bytes": raw, "sensitivity": "gradient EMA" if grads else "magnitude (no grads given)"}
+        process = jax.process_index()
+        primary = process == self._primary_host
+
+        async def commit():
+            writer = store.BlobWriter(directory, process)
+            stored = {"params": 0, "optimizer": 0, "other": 0}
+            for i, box, payload in host:
+                before = writer.nbytes
+                if isinstance(payload, quantize.EncodedTensor):
+                    writer.add(i, box, {
+                        "codes": (codec.compress(payload.codes), codec.ZSTD, {}),
+                        "protected": (codec.compress(payload.protected, codec.ZSTD_PLANES), codec.ZSTD_PLANES,
+                                      {"dtype": payload.protected.dtype.name, "count": int(payload.protected.size)}),
+                    })
+                else:
+                    writer.add(i, box, {"data": (codec.compress(payload, codec.ZSTD_PLANES), codec.ZSTD_PLANES, {})})
+                stored[leaves_meta[i].get("part", "other")] += writer.nbytes - before
+            total = time.perf_counter() - t0
+            writer.close({"stored_bytes": stored, "blocking_seconds": blocking, "total_seconds": total})
+            if primary:
+                store.write_json(f"{directory}/{store.MANIFEST}", manifest)
+
+        return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="inshrink_save")]
+
+    def save(self, directory, args: "InshrinkSave" = None, **kwargs):
+        async def run():
+            for f in await self.async_save(directory, args=args) or []:
+                f.result()
+
+        asyncio_utils.run_sync(run())
+
+    def finalize(self, directory) -> None:
+        # Runs once on the primary host after every process finished writing, before Orbax's rename.
+        manifest, _ = store.read_json(f"{directory}/{store.MANIFEST}", "manifest", directory)
+        record = store.finalize(directory, manifest["process_count"])
+        self.last_figures = figures_from(manifest, record)
+
+    @staticmethod
+    def _grads_by_path(grads) -> dict:
+        if grads is None:
+            return {}
+        return {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+
+    @staticmethod
+    def _match(grads: dict, keystr: str):
+        best = None
+        for k in grads:
+            if keystr.endswith(k) and (best is None or len(k) > len(best)):
+                best = k
+        return best
+
+    # ----------------------------------------------------------------------------------------------- restore
+    def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
+        reader = store.Reader(directory)
+        leaves = reader.manifest["leaves"]
+        target = None if args is None else args.item
+        if target is None:
+            values = [_restore_leaf(reader, i, m, None) for i, m in enumerate(leaves)]
+            return _unflatten_plain([m["path"] for m in leaves], values)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
+        by_key = {m["keystr"]: i for i, m in enumerate(leaves)}
+        want = [jax.tree_util.keystr(p) for p, _ in flat]
+        missing = [k for k in want if k not in by_key]
+        extra = sorted(set(by_key) - set(want))
+        if missing or extra:
+            raise ValueError(f"{store.describe(directory)}: the restore target does not match the saved tree. "
+                             f"In the target but not saved: {missing[:20]}; saved but not in the target: "
+                             f"{extra[:20]}. Pass a target with the saved structure, or InshrinkRestore() to get "
+                             "the saved tree as nested dicts.")
+        problems = []
+        for k, (_, t) in zip(want, flat):
+            m = leaves[by_key[k]]
+            if "shape" in m and hasattr(t, "shape") and tuple(t.shape) != tuple(m["shape"]):
+                problems.append(f"{k}: saved shape {tuple(m['shape'])}, target {tuple(t.shape)}")
+            elif m["kind"] in ("array", "quantized") and hasattr(t, "dtype") and jnp.dtype(t.dtype) != jnp.dtype(
+                    m["dtype"]):
+                problems.append(f"{k}: saved dtype {m['dtype']}, target {jnp.dtype(t.dtype).name}")
+        if problems:
+            raise ValueError(f"{store.describe(directory)}: the restore target does not match the saved "
+                             f"leaves: " + "; ".join(problems[:20]))
+        values = [_restore_leaf(reader, by_key[k], leaves[by_key[k]], t) for k, (_, t) in zip(want, flat)]
+        return jax.tree_util.tree_unflatten(treedef, values)
+
+    def metadata(self, directory):
+        reader = store.Reader(directory)
+        return figures_from(reader.manifest, reader.commit)
+
+    @classmethod
+    def typestr(cls) -> str:
+        return "inshrink_jax.InshrinkCheckpointHandler"
+
+
+def _key(index) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _config_json(cfg: CompressionConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["layer_type_rules"] = [list(r) for r in cfg.layer_type_rules]
+    return d
+
+
+def figures_from(manifest: dict, commit: dict) -> dict:
+    """Per-save figures: raw and stored bytes per part, ratios, timings, the configuration used."""
+    stored = {"params": 0, "optimizer": 0, "other": 0}
+    for p in commit["processes"]:
+        for k, v in p["figures"]["stored_bytes"].items():
+            stored[k] += v
+    raw = manifest["raw_bytes"]
+    ratio = {k: (raw[k] / stored[k] if stored[k] else None) for k in raw}
+    ratio["total"] = sum(raw.values()) / max(sum(stored.values()), 1)
+    return {"raw_bytes": raw, "stored_bytes": stored, "ratio": ratio, "quant": manifest["quant"],
+            "sensitivity": manifest["sensitivity"],
+            "blocking_seconds": max(p["figures"]["blocking_seconds"] for p in commit["processes"]),
+            "total_seconds": max(p["figures"]["total_seconds"] for p in commit["processes"])}
+
+
+# ----------------------------------------------------------------------------------------------- restore
+def _overlap(a: list[list[int]], b: list[list[int]]):
+    lo = [max(x[0], y[0]) for x, y in zip(a, b)]
+    hi = [min(x[1], y[1]) for x, y in zip(a, b)]
+    return None if any(h <= l for l, h in zip(lo, hi)) else (lo, hi)
+
+
+def _fill(out: np.ndarray, box, pieces, what: str) -> np.ndarray:
+    """Copy each (stored box, host array) piece's overlap with `box` into `out`; all of `box` must be covered."""
+    covered = 0
+    for sbox, data in pieces:
+        ov = _overlap(box, sbox)
+        if ov is None:
+            continue
+        lo, hi = ov
+        dst = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, box))
+        src = tuple(slice(l - s[0], h - s[0]) for l, h, s in zip(lo, hi, sbox))
+        out[dst] = data()[src]
+        covered += int(np.prod([h - l for l, h in zip(lo, hi)]))
+    if covered != out.size:
+        raise store.CheckpointCorruptError(f"{what}: stored shards cover {covered} of {out.size} elements")
+    return out
+
+
+def _restore_leaf(reader: store.Reader, i: int, meta: dict, target):
+    kind = meta["kind"]
+    what = f"{store.describe(reader.directory)}: leaf {meta['keystr']}"
+    if kind == "scalar":
+        return meta["value"]
+    shape = tuple(meta["shape"])
+    shards = reader.shards.get(i, [])
+    cache: dict = {}
+
+    def stored(p, entry, name, dtype, shape_):
+        key = (p, id(entry), name)
+        if key not in cache:
+            seg = entry["segments"][name]
+            raw = codec.decompress(reader.segment(i, p, seg, name), seg["codec"], np.dtype(dtype).itemsize)
+            arr = np.frombuffer(raw, dtype)
+            if arr.size != int(np.prod(shape_)):
+                raise store.CheckpointCorruptError(f"{what}: segment {name!r} holds {arr.size} values, expected "
+                                                   f"{int(np.prod(shape_))}")
+            cache[key] = arr.reshape(shape_)
+        return cache[key]
+
+    sharding = getattr(target, "sharding", None)
+    if sharding is None or isinstance(target, np.ndarray):
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    is_numpy_target = isinstance(target, np.ndarray) or (target is None and meta.get("sharding") == "numpy")
+    full = [[0, n] for n in shape]
+    if kind in ("array", "prng_key"):
+        dtype = jnp.dtype(meta["dtype"])
+
+        def host_box(box):
+            pieces = [(e["box"], (lambda p=p, e=e: stored(p, e, "data", dtype, [b[1] - b[0] for b in e["box"]])))
+                      for p, e in shards]
+            return _fill(np.empty([b[1] - b[0] for b in box], dtype), box, pieces, what)
+
+        if kind == "prng_key":  # stored as its key data, shape + (key words,)
+            data = host_box([[0, n] for n in meta["data_shape"]])
+            return jax.random.wrap_key_data(jnp.asarray(data), impl=meta["impl"])
+        if is_numpy_target:
+            return host_box(full)
+        return _make_array(shape, sharding, lambda box, dev: jax.device_put(host_box(box), dev), what)
+
+    # quantized
+    bins = meta["bins"]
+    centres = np.asarray(meta["centres"], np.float32)
+    pcode = quantize.protected_code(bins)
+
+    def enc_box(box):
+        pieces = []
+        for p, e in shards:
+            sshape = [b[1] - b[0] for b in e["box"]]
+            pieces.append((e["box"], (lambda p=p, e=e, s=sshape: stored(p, e, "codes", np.uint8, s))))
+        codes = _fill(np.empty([b[1] - b[0] for b in box], np.uint8), box, pieces, what)
+        pos_parts, val_parts = [], []
+        for p, e in shards:
+            ov = _overlap(box, e["box"])
+            if ov is None:
+                continue
+            sshape = [b[1] - b[0] for b in e["box"]]
+            scodes = stored(p, e, "codes", np.uint8, sshape)
+            seg = e["segments"]["protected"]
+            vals = stored(p, e, "protected", jnp.dtype(seg["dtype"]), [seg["count"]])
+            local = np.flatnonzero(scodes.reshape(-1) == pcode)
+            if local.size != vals.size:
+                raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
+            idx = np.unravel_index(local, sshape)
+            glob = [ix + b[0] for ix, b in zip(idx, e["box"])]
+            inside = np.ones(local.size, bool)
+            for g, (lo, hi) in zip(glob, zip(*ov)):
+                inside &= (g >= lo) & (g < hi)
+            rel = tuple(g[inside] - b[0] for g, b in zip(glob, box))
+            pos_parts.append(np.ravel_multi_index(rel, codes.shape) if codes.ndim else np.zeros(0, np.int64))
+            val_parts.append(vals[inside])
+        order = np.argsort(np.concatenate(pos_parts), kind="stable") if pos_parts else np.zeros(0, np.int64)
+        values = np.concatenate(val_parts)[order] if val_parts else np.zeros(0, np.float32)
+        return quantize.EncodedTensor(codes, centres, values, meta["dtype"])
+
+    if is_numpy_target:
+        return np.asarray(quantize.decode(enc_box(full)))
+    return _make_array(shape, sharding, lambda box, dev: quantize.decode(enc_box(box), dev), what)
+
+
+def _make_array(shape, sharding, build, what):
+    """Assemble a global array from the pieces `build(box, device)` makes on each addressable device."""
+    arrays = [build(_box(index, shape), d) for d, index in sharding.addressable_devices_indices_map(shape).items()]
+    try:
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    except ValueError as e:
+        raise ValueError(f"{what}: cannot place the restored values into the target sharding ({e})") from None
+
+
+@ocp.args.register_with_handler(InshrinkCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class InshrinkSave(ocp.args.CheckpointArgs):
+    """Save args: the state to save, and what the compression may use.
+
+    Attributes:
+      state: any pytree (Flax TrainState, nnx.state(...), dicts) of arrays, scalars, strings and None.
+      grads: gradient EMA with the structure of the parameters (matched to state leaves by key-path suffix, so
+        a TrainState's `grads` matches `state.params`); None uses magnitude as sensitivity.
+      eval_fn: maps a state with compressed leaves replaced by their quantize-dequantize values to a scalar
+        quality; used by the configuration search.
+    """
+
+    state: Any
+    grads: Any = None
+    eval_fn: Callable[[Any], Any] | None = None
+
+
+@ocp.args.register_with_handler(InshrinkCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class InshrinkRestore(ocp.args.CheckpointArgs):
+    """Restore args.
+
+    Attributes:
+      item: None to restore the saved tree (nested dicts and lists, arrays on the default device); or a tree of
+        the saved structure whose leaves are arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to restore
+        straight into that layout) or NumPy arrays (restored as NumPy).
+    """
+
+    item: Any = None
