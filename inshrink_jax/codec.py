@@ -6,6 +6,8 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
   "zstd-planes" byte-plane grouping then zstandard, for lossless float data: byte i of every element is
                 stored together, so the exponent bytes (which repeat) form long runs that zstd finds. About
                 1.2x on trained float32 weights, against 1.08x for plain zstd.
+  "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
+                (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import zstandard
 
 ZSTD = "zstd"
 ZSTD_PLANES = "zstd-planes"
+RAW = "raw"
 DEFAULT_LEVEL = 3
 
 
@@ -32,8 +35,17 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(buf)
 
 
+def compress_best(data: np.ndarray, codec: str, level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
+    """`compress` with `codec`, or the raw bytes if those are not larger: (bytes, codec id used)."""
+    raw = np.ascontiguousarray(data).tobytes()
+    packed = compress(data, codec, level)
+    return (packed, codec) if len(packed) < len(raw) else (raw, RAW)
+
+
 def decompress(blob: bytes, codec: str, itemsize: int = 1) -> bytes:
     """Inverse of `compress`; `itemsize` is the element size the planes were split by (zstd-planes only)."""
+    if codec == RAW:
+        return bytes(blob)
     raw = zstandard.ZstdDecompressor().decompress(blob)
     if codec == ZSTD:
         return raw

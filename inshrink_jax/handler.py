@@ -181,12 +181,12 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                 before = writer.nbytes
                 if isinstance(payload, quantize.EncodedTensor):
                     writer.add(i, box, {
-                        "codes": (codec.compress(payload.codes), codec.ZSTD, {}),
-                        "protected": (codec.compress(payload.protected, codec.ZSTD_PLANES), codec.ZSTD_PLANES,
+                        "codes": (*codec.compress_best(payload.codes, codec.ZSTD), {}),
+                        "protected": (*codec.compress_best(payload.protected, codec.ZSTD_PLANES),
                                       {"dtype": payload.protected.dtype.name, "count": int(payload.protected.size)}),
                     })
                 else:
-                    writer.add(i, box, {"data": (codec.compress(payload, codec.ZSTD_PLANES), codec.ZSTD_PLANES, {})})
+                    writer.add(i, box, {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})})
                 stored[leaves_meta[i].get("part", "other")] += writer.nbytes - before
             total = time.perf_counter() - t0
             writer.close({"stored_bytes": stored, "blocking_seconds": blocking, "total_seconds": total})

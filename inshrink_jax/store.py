@@ -48,22 +48,34 @@ def index_name(process: int) -> str:
     return f"index.{process}.json"
 
 
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
 def write_json(path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, separators=(",", ":"))
+    """Write `obj` as JSON with a CRC32 of its canonical form, so any changed byte is detected on read."""
+    body = _canonical(obj)
+    with open(path, "wb") as f:
+        f.write(b'{"crc32":%d,"body":' % crc32(body) + body + b"}")
 
 
-def read_json(path, what: str, directory) -> Any:
+def read_json(path, what: str, directory) -> tuple[Any, bytes]:
+    """(object, raw file bytes) of a file written by `write_json`, checked against its CRC32."""
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
         raise CheckpointCorruptError(f"{describe(directory)}: {what} {os.path.basename(path)} is missing") from None
     try:
-        return json.loads(raw), raw
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{describe(directory)}: {what} {os.path.basename(path)} is unreadable "
-                                     f"({e}); the file is truncated or corrupted") from None
+        wrapped = json.loads(raw)
+        body = wrapped["body"]
+        ok = crc32(_canonical(body)) == wrapped["crc32"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointCorruptError(f"{describe(directory)}: {what} {os.path.basename(path)} is truncated or "
+                                     "corrupted (checksum mismatch)")
+    return body, raw
 
 
 class BlobWriter:

@@ -1,0 +1,193 @@
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import inshrink_jax as ij
+from inshrink_jax import quantize
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import digits  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trained():
+    tx, ty, vx, vy = digits.load()
+    state = digits.create_state(0)
+    stream = digits.batches(tx, ty, 64, 0)
+    for _ in range(30):
+        state, _, grads = digits.train_step(state, *next(stream))
+    return state, grads, (vx, vy)
+
+
+def manager(path, **opts):
+    return ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()),
+                                 options=ocp.CheckpointManagerOptions(**opts))
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)
+
+
+def assert_on_grid(restored, original, meta):
+    """A quantized leaf decodes to 0, a centre, or (protected) its value within bfloat16 rounding."""
+    r, o = np.asarray(restored, np.float64), np.asarray(original, np.float64)
+    centres = np.asarray(meta["centres"], np.float32).astype(np.float64)
+    on_grid = (r == 0) | np.isin(r, centres)
+    near = np.abs(r - o) <= 2.0**-8 * np.abs(o)
+    assert np.all(on_grid | near)
+
+
+def test_train_state_round_trip_through_async_manager(tmp_path, trained):
+    state, grads, (vx, vy) = trained
+    mngr = manager(tmp_path, max_to_keep=2)
+    for step in (1, 2, 3):
+        mngr.save(step, args=ij.InshrinkSave(state.replace(step=step), grads=grads))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2, 3]
+    r = mngr.restore(3, args=ij.InshrinkRestore(abstract(state)))
+    assert int(r.step) == 3
+    reader = ij.store.Reader(tmp_path / "3" / "default")
+    leaves = {m["keystr"]: m for m in reader.manifest["leaves"]}
+    n_quantized = 0
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(r)[0], jax.tree.leaves(state.replace(step=3))):
+        key = jax.tree_util.keystr(path)
+        if leaves[key]["kind"] == "quantized":
+            n_quantized += 1
+            assert_on_grid(a, b, leaves[key])
+        else:  # optimizer moments, biases, small kernels, step: bit-exact
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert n_quantized == 3  # Conv_1, Dense_0 and Dense_1 kernels
+    fig = mngr.item_metadata(3)
+    assert fig["ratio"]["params"] > 4 and fig["stored_bytes"]["optimizer"] < fig["raw_bytes"]["optimizer"]
+    assert abs(digits.accuracy(r.params, state.apply_fn, vx, vy) - digits.accuracy(state.params, state.apply_fn,
+                                                                                   vx, vy)) <= 0.02
+
+
+def test_composite_with_json_item(tmp_path, trained):
+    state, grads, _ = trained
+    reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    h = ij.InshrinkCheckpointHandler()
+    reg.add("state", ij.InshrinkSave, h)
+    reg.add("state", ij.InshrinkRestore, h)
+    reg.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+    reg.add("meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
+    mngr = ocp.CheckpointManager(tmp_path, handler_registry=reg)
+    mngr.save(5, args=ocp.args.Composite(state=ij.InshrinkSave(state.params), meta=ocp.args.JsonSave({"lr": 1e-3})))
+    mngr.wait_until_finished()
+    out = mngr.restore(5, args=ocp.args.Composite(state=ij.InshrinkRestore(abstract(state.params)),
+                                                  meta=ocp.args.JsonRestore()))
+    assert out.meta == {"lr": 1e-3}
+    assert jax.tree.structure(out.state) == jax.tree.structure(state.params)
+
+
+def test_every_leaf_kind_round_trips(tmp_path):
+    rng = np.random.default_rng(0)
+    tree = {
+        "params": {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.bfloat16),
+                   "w16": jnp.asarray(rng.normal(size=(64, 32)), jnp.float16),
+                   "b": jnp.arange(5, dtype=jnp.float32)},
+        "ints": jnp.arange(7, dtype=jnp.int8), "mask": jnp.asarray([True, False]),
+        "key": jax.random.key(3), "raw_key": jax.random.PRNGKey(4),
+        "np": rng.normal(size=(3, 2)), "scalar": 1.5, "count": 7, "flag": True, "name": "run-1", "nothing": None,
+        "list": [jnp.zeros((2,)), 3],
+    }
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(tree))
+    mngr.wait_until_finished()
+    target = dict(tree, params=abstract(tree["params"]))
+    r = mngr.restore(0, args=ij.InshrinkRestore(target))
+    for k in ("ints", "mask", "raw_key", "np", "scalar", "count", "flag", "name", "nothing"):
+        np.testing.assert_array_equal(np.asarray(r[k]) if r[k] is not None else r[k], np.asarray(tree[k])
+                                      if tree[k] is not None else None)
+    assert isinstance(r["np"], np.ndarray) and r["count"] == 7 and isinstance(r["count"], int)
+    np.testing.assert_array_equal(jax.random.key_data(r["key"]), jax.random.key_data(tree["key"]))
+    np.testing.assert_array_equal(np.asarray(r["params"]["b"]), np.asarray(tree["params"]["b"]))
+    assert r["params"]["w"].dtype == jnp.bfloat16 and r["params"]["w16"].dtype == jnp.float16
+    plain = mngr.restore(0, args=ij.InshrinkRestore())
+    assert plain["list"][1] == 3 and plain["name"] == "run-1" and plain["nothing"] is None
+
+
+def test_sharded_save_restores_into_another_layout(tmp_path):
+    devs = np.array(jax.devices()[:4])
+    mesh_a = jax.sharding.Mesh(devs.reshape(4, 1), ("x", "y"))
+    mesh_b = jax.sharding.Mesh(devs.reshape(2, 2), ("x", "y"))
+    P = jax.sharding.PartitionSpec
+    rng = np.random.default_rng(1)
+    tree = {"params": {"w": rng.normal(size=(128, 64)).astype(np.float32)},
+            "opt": {"mu": rng.normal(size=(128, 64)).astype(np.float32)}}
+    sharded = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh_a, P("x", None))), tree)
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(sharded))
+    mngr.wait_until_finished()
+    single = mngr.restore(0, args=ij.InshrinkRestore(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(devs[0])), tree)))
+    target_sharding = jax.sharding.NamedSharding(mesh_b, P("y", "x"))
+    other = mngr.restore(0, args=ij.InshrinkRestore(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target_sharding), tree)))
+    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(other)):
+        assert b.sharding == target_sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(other["opt"]["mu"]), tree["opt"]["mu"])
+    # four saved shards of w, one per device
+    assert len(ij.store.Reader(tmp_path / "0" / "default").shards[1]) == 4
+
+
+def test_overwriting_state_after_save_does_not_change_checkpoint(tmp_path):
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(256, 64)).astype(np.float32))
+    tree = {"params": {"w": x}, "opt": {"mu": x + 1}}
+    expected = jax.tree.map(np.array, tree)
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(tree))
+    # donate the buffers right after save() returns, as a training step would
+    step = jax.jit(lambda t: jax.tree.map(lambda v: v * 0 - 7, t), donate_argnums=0)
+    tree = step(tree)
+    mngr.wait_until_finished()
+    r = mngr.restore(0)
+    np.testing.assert_array_equal(np.asarray(r["opt"]["mu"]), expected["opt"]["mu"])
+    assert np.max(np.abs(np.asarray(r["params"]["w"]) - expected["params"]["w"])) < 1.0
+
+
+def test_restore_target_mismatch_names_leaves(tmp_path):
+    tree = {"params": {"w": jnp.ones((64, 32)), "b": jnp.ones((3,))}}
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(tree))
+    mngr.wait_until_finished()
+    with pytest.raises(ValueError, match=r"\['params'\]\['b'\].*saved shape \(3,\), target \(4,\)"):
+        mngr.restore(0, args=ij.InshrinkRestore({"params": {"w": jnp.ones((64, 32)), "b": jnp.ones((4,))}}))
+    with pytest.raises(ValueError, match=r"not saved: \[\"\['params'\]\['c'\]\"\]"):
+        mngr.restore(0, args=ij.InshrinkRestore({"params": {"w": jnp.ones((64, 32)), "b": jnp.ones((3,)),
+                                                            "c": jnp.ones(1)}}))
+    with pytest.raises(ValueError, match="saved dtype float32, target int32"):
+        mngr.restore(0, args=ij.InshrinkRestore({"params": {"w": jnp.ones((64, 32)), "b": jnp.ones((3,), jnp.int32)}}))
+
+
+def test_unsupported_leaf_is_refused_before_writing(tmp_path):
+    mngr = manager(tmp_path)
+    with pytest.raises(TypeError, match=r"leaf \['bad'\] has unsupported type object"):
+        mngr.save(0, args=ij.InshrinkSave({"bad": object()}))
+        mngr.wait_until_finished()
+    assert mngr.all_steps() == []
+
+
+@pytest.mark.parametrize("victim", ["blob.0", "index.0.json", "manifest.json", "commit.json"])
+def test_corruption_is_a_clear_error(tmp_path, victim):
+    tree = {"params": {"w": jnp.asarray(np.random.default_rng(3).normal(size=(128, 64)), jnp.float32)},
+            "opt": {"mu": jnp.ones((300,))}}
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(tree))
+    mngr.wait_until_finished()
+    path = tmp_path / "0" / "default" / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises((ij.CheckpointCorruptError, ValueError), match="step 0, item 'default'"):
+        mngr.restore(0)
+    path.write_bytes(bytes(data[: len(data) // 3]))  # truncated
+    with pytest.raises((ij.CheckpointCorruptError, ValueError), match="step 0, item 'default'"):
+        mngr.restore(0)
