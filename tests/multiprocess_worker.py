@@ -1,0 +1,40 @@
+"""One process of the two-process save/restore test (run by tests/test_multiprocess.py)."""
+
+import os
+import sys
+
+process_id, port, root = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+import inshrink_jax as ij  # noqa: E402
+
+P = jax.sharding.PartitionSpec
+devs = np.array(jax.devices())
+rng = np.random.default_rng(0)  # same values on both processes
+host = {"params": {"w": rng.normal(size=(64, 48)).astype(np.float32)},
+        "opt": {"mu": rng.normal(size=(64, 48)).astype(np.float32)}}
+save_sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devs.reshape(4), ("x",)), P("x", None))
+state = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, save_sharding, lambda i, x=x: x[i]), host)
+mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler())
+mngr.save(0, args=ij.InshrinkSave(state))
+mngr.wait_until_finished()
+
+written = sorted(f for f in os.listdir(os.path.join(root, "0", "default")) if f.startswith("blob."))
+restore_sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devs.reshape(2, 2), ("a", "b")), P("b", "a"))
+target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=restore_sharding), host)
+r = mngr.restore(0, args=ij.InshrinkRestore(target))
+reader = ij.store.Reader(os.path.join(root, "0", "default"))
+for s in r["opt"]["mu"].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), host["opt"]["mu"][s.index])
+for s in r["params"]["w"].addressable_shards:
+    assert np.max(np.abs(np.asarray(s.data) - host["params"]["w"][s.index])) < 0.5
+per_process = {p: sum(1 for v in reader.shards.values() for q, _ in v if q == p) for p in (0, 1)}
+print(f"OK process {process_id} blobs={written} shards_per_process={per_process}", flush=True)
