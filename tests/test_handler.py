@@ -64,6 +64,7 @@ def test_train_state_round_trip_through_async_manager(tmp_path, trained):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert n_quantized == 3  # Conv_1, Dense_0 and Dense_1 kernels
     fig = mngr.item_metadata(3)
+    assert fig["sensitivity"] == "gradient EMA on 3 of 3 quantized leaves"
     assert fig["ratio"]["params"] > 4 and fig["stored_bytes"]["optimizer"] < fig["raw_bytes"]["optimizer"]
     assert abs(digits.accuracy(r.params, state.apply_fn, vx, vy) - digits.accuracy(state.params, state.apply_fn,
                                                                                    vx, vy)) <= 0.02
@@ -191,3 +192,12 @@ def test_corruption_is_a_clear_error(tmp_path, victim):
     path.write_bytes(bytes(data[: len(data) // 3]))  # truncated
     with pytest.raises((ij.CheckpointCorruptError, ValueError), match="step 0, item 'default'"):
         mngr.restore(0)
+
+
+def test_eval_fn_is_reported_as_unused(tmp_path):
+    mngr = manager(tmp_path)
+    with pytest.warns(UserWarning, match="eval_fn=.*not used yet"):
+        mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: 0.0))
+    mngr.wait_until_finished()
+    assert mngr.item_metadata(0)["search"] == "none (fixed configuration)"
+    assert mngr.item_metadata(0)["sensitivity"] == "magnitude (no grads given)"
