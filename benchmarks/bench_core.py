@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inshrink_jax import CompressionConfig, QuantConfig, quantize
+import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def best_of(fn, repeats):
@@ -73,10 +74,7 @@ def main(argv=None):
         "| parameters | encode ns/param | decode ns/param | relative RMS error |",
         "|---:|---:|---:|---:|",
     ] + [f"| {n:,d} | {e:.1f} | {d:.2f} | {r:.4f} |" for n, e, d, r in rows]
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    report.emit(lines, args.out)
 
 
 if __name__ == "__main__":

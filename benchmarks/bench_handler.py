@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import digits  # noqa: E402
 
 import inshrink_jax as ij  # noqa: E402
+import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def dir_bytes(path):
@@ -111,10 +112,7 @@ def main(argv=None):
         lines.append(f"| {name} | {o[0]:,} | {i[0]:,} | {o[0] / i[0]:.2f}x | {po / pi:.2f}x | "
                      f"{o[1]:.3f} / {i[1]:.3f} ({o[1] / i[1]:.2f}x) | {o[2]:.3f} / {i[2]:.3f} ({o[2] / i[2]:.2f}x) | "
                      f"{o[3]:.3f} / {i[3]:.3f} ({o[3] / i[3]:.2f}x) |")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    report.emit(lines, args.out)
 
 
 if __name__ == "__main__":

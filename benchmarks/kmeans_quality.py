@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from test_kmeans import optimal_kmeans_loss  # noqa: E402
 
 from inshrink_jax import kmeans, sketch  # noqa: E402
+import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def main():
@@ -41,10 +42,7 @@ def main():
                                                                                 np.asarray(w)[nz], k))
             cells.append(f"{np.mean(r):.3f} ({np.max(r):.3f})")
         lines.append(f"| {restarts} | " + " | ".join(cells) + " |")
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    report.emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -364,7 +364,13 @@ def _restore_leaf(reader: store.Reader, i: int, meta: dict, target):
     # quantized
     bins = meta["bins"]
     centres = np.asarray(meta["centres"], np.float32)
-    pcode = quantize.protected_code(bins)
+
+    def protected_of(p, entry, sshape):
+        # Positions of a stored shard's protected weights, scanned once however many target boxes it overlaps.
+        key = (p, id(entry), "positions")
+        if key not in cache:
+            cache[key] = quantize.protected_positions(stored(p, entry, "codes", np.uint8, sshape), bins)
+        return cache[key]
 
     def enc_box(box):
         pieces = []
@@ -378,10 +384,9 @@ def _restore_leaf(reader: store.Reader, i: int, meta: dict, target):
             if ov is None:
                 continue
             sshape = [b[1] - b[0] for b in e["box"]]
-            scodes = stored(p, e, "codes", np.uint8, sshape)
             seg = e["segments"]["protected"]
             vals = stored(p, e, "protected", jnp.dtype(seg["dtype"]), [seg["count"]])
-            local = np.flatnonzero(scodes.reshape(-1) == pcode)
+            local = protected_of(p, e, sshape)
             if local.size != vals.size:
                 raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
             idx = np.unravel_index(local, sshape)
@@ -390,7 +395,7 @@ def _restore_leaf(reader: store.Reader, i: int, meta: dict, target):
             for g, (lo, hi) in zip(glob, zip(*ov)):
                 inside &= (g >= lo) & (g < hi)
             rel = tuple(g[inside] - b[0] for g, b in zip(glob, box))
-            pos_parts.append(np.ravel_multi_index(rel, codes.shape) if codes.ndim else np.zeros(0, np.int64))
+            pos_parts.append(np.ravel_multi_index(rel, codes.shape))
             val_parts.append(vals[inside])
         order = np.argsort(np.concatenate(pos_parts), kind="stable") if pos_parts else np.zeros(0, np.int64)
         values = np.concatenate(val_parts)[order] if val_parts else np.zeros(0, np.float32)

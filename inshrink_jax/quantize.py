@@ -10,7 +10,8 @@ layer type), then quantize the rest to the nearest of K centres from weighted k-
 
 All per-weight work is one jitted function per layer type (so XLA runs the tensors' histogram passes side by
 side). The positions of protected weights are found on the host from the uint8 codes, which the host fetches
-anyway: a device-side prefix sum would cost more than the rest of the encoder on XLA's CPU backend.
+anyway: a device-side prefix sum costs about a third of the whole encoder on XLA's CPU backend, the host scan a
+hundredth of that (benchmarks/results/stages.md).
 """
 
 from __future__ import annotations
@@ -258,8 +259,8 @@ def decode(enc: EncodedTensor, device=None) -> jax.Array:
         raise ValueError(
             f"corrupt encoded tensor: {pos.size} protected codes but {enc.protected.size} protected values"
         )
-    n = int(np.prod(enc.codes.shape))
-    values = np.zeros(_padded(pos, n).shape, enc.protected.dtype)
+    positions = _padded(pos, enc.codes.size)  # padding points past the end: dropped by the scatter
+    values = np.zeros(positions.shape, enc.protected.dtype)
     values[: pos.size] = enc.protected
     put = functools.partial(jax.device_put, device=device)
-    return _decode(put(enc.codes), put(enc.centres), put(_padded(pos, n)), put(values), dtype=jnp.dtype(enc.dtype))
+    return _decode(put(enc.codes), put(enc.centres), put(positions), put(values), dtype=jnp.dtype(enc.dtype))

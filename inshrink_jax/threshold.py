@@ -85,8 +85,6 @@ def kth_smallest_complement(
     """
     n = sum(jnp.sum(m.astype(jnp.int32)) for m in masks)
     k = jnp.clip(jnp.asarray(k, jnp.int32), 0, n)
-    # Selecting the n - k largest "inclusively at ties" would leave < k pruned; we want the opposite bias:
-    # keep ties at the cut unpruned unless all of them fit into k. Select the top n - k with ties included.
+    # Keep the n - k largest with every tie at the cut kept, so at most k are left to prune.
     t = kth_largest(scores, masks, n - k)
-    keep_all_ties = Threshold(value=t.value, inclusive=jnp.asarray(True) & (n - k > 0))
-    return keep_all_ties, n
+    return Threshold(value=t.value, inclusive=n - k > 0), n
