@@ -4,8 +4,7 @@ Two codecs, each identified by an id string that the manifest records next to ev
 the decoder by id and a later format adds a codec instead of breaking old checkpoints:
   "zstd"        plain zstandard of the bytes (code streams, deltas, small metadata).
   "zstd-planes" byte-plane grouping then zstandard, for lossless float data: byte i of every element is
-                stored together, so the exponent bytes (which repeat) form long runs that zstd finds. About
-                1.2x on trained float32 weights, against 1.08x for plain zstd.
+                stored together, so the exponent bytes (which repeat) form long runs that zstd finds.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
