@@ -69,6 +69,9 @@ class CompressionConfig:
       layer_type_rules: (regex, layer_type) pairs tried in order on the leaf's path before the default rule
         (see `quantize.layer_type`); e.g. (("head", "dense"),).
       seed: seed of the PRNG key used for k-means++ initialisation (results are deterministic given it).
+      keyframe_every: longest delta chain: a save whose previous codes are `keyframe_every - 1` deltas away
+        from their keyframe stores whole codes again, so a restore decodes at most this many code streams
+        per shard. 1 stores every checkpoint whole.
       quant: the configuration used when no search runs.
     """
 
@@ -82,6 +85,7 @@ class CompressionConfig:
     min_compress_size: int = 1024
     layer_type_rules: tuple[tuple[str, str], ...] = ()
     seed: int = 0
+    keyframe_every: int = 10
     quant: QuantConfig = QuantConfig()
 
     def __post_init__(self):
@@ -93,6 +97,8 @@ class CompressionConfig:
             raise ValueError(f"CompressionConfig.epsilon must be >= 0, got {self.epsilon!r}")
         if self.kmeans_iters < 0 or self.kmeans_restarts < 1:
             raise ValueError("CompressionConfig.kmeans_iters must be >= 0 and kmeans_restarts >= 1")
+        if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
+            raise ValueError(f"CompressionConfig.keyframe_every must be an int >= 1, got {self.keyframe_every!r}")
         if self.protected_dtype not in PROTECTED_DTYPES:
             raise ValueError(
                 f"CompressionConfig.protected_dtype must be one of {PROTECTED_DTYPES}, got {self.protected_dtype!r}"

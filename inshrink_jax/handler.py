@@ -7,7 +7,9 @@ decodes. See DESIGN.md sections 1-4 and docs/format.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 import time
 import warnings
 from typing import Any, Callable
@@ -19,7 +21,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 
-from inshrink_jax import codec, quantize, store
+from inshrink_jax import codec, delta, quantize, store
 from inshrink_jax.config import CompressionConfig
 
 _OPTIMIZER_NAMES = {"opt_state", "optimizer", "mu", "nu", "trace", "momentum"}
@@ -83,12 +85,62 @@ def _is_prng_key(x) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _box_key(box) -> tuple:
+    return tuple(tuple(b) for b in box)
+
+
+def _classify(flat: list, cfg: CompressionConfig) -> tuple[list[dict], list[int]]:
+    """Manifest entry of every leaf (kind, shape, dtype, part, layer type) and the indices of quantized ones."""
+    leaves_meta, quant_idx = [], []
+    for i, (path, x) in enumerate(flat):
+        keystr = jax.tree_util.keystr(path)
+        meta = {"path": _path_entries(path), "keystr": keystr}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 2**63:
+                raise TypeError(f"leaf {keystr}: integer {x} does not fit in 64 bits")
+            meta.update(kind="scalar", value=x, type=type(x).__name__)
+        elif isinstance(x, (jax.Array, np.ndarray, np.generic)):
+            dtype = jnp.dtype(x.dtype) if not _is_prng_key(x) else None
+            part = _part(path) if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "other"
+            quantizable = (isinstance(x, jax.Array) and dtype is not None and dtype.name in _QUANTIZABLE
+                           and x.ndim >= 2 and x.size >= cfg.min_compress_size and part == "params")
+            meta.update(shape=list(x.shape), part=part if x.ndim >= 1 else "other",
+                        sharding=str(getattr(x, "sharding", "numpy")))
+            if _is_prng_key(x):
+                meta.update(kind="prng_key", impl=str(jax.random.key_impl(x)), dtype="uint32",
+                            data_shape=list(jax.random.key_data(x).shape))
+            elif quantizable:
+                meta.update(kind="quantized", dtype=dtype.name,
+                            layer_type=quantize.layer_type(keystr, x.shape, cfg.layer_type_rules))
+                quant_idx.append(i)
+            else:
+                meta.update(kind="array", dtype=dtype.name)
+        else:
+            raise TypeError(f"leaf {keystr} has unsupported type {type(x).__name__}; inshrink_jax stores "
+                            "jax/NumPy arrays, Python scalars, strings and None")
+        leaves_meta.append(meta)
+    return leaves_meta, quant_idx
+
+
 # ------------------------------------------------------------------------------------------------------ args
+@dataclasses.dataclass
+class _Chain:
+    """Codes this process holds of one committed (or committing) object: what the next save may delta against.
+
+    codes maps (leaf key path, shard box) -> (uint8 codes, bins, chain depth)."""
+
+    root: str
+    object_id: str
+    codes: dict
+
+
 class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
     """Saves a training-state pytree with large float leaves quantized (ALGORITHM.md), the rest bit-exact.
 
     One instance serves every step of a `CheckpointManager`. Use as the manager's `item_handlers`, or as one item
-    of a composite checkpoint through a handler registry.
+    of a composite checkpoint through a handler registry. The instance remembers the codes of its last save (or
+    of the last restore) so the next save stores only their change (a delta); a new instance, e.g. after a
+    restart, starts with a keyframe unless it restored first.
     """
 
     def __init__(self, config: CompressionConfig | None = None, *,
@@ -97,46 +149,35 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._primary_host = multiprocessing_options.primary_host or 0
         self.last_figures: dict | None = None
         self._warned_eval_fn = False
+        self._prev: _Chain | None = None  # codes of a committed object
+        self._pending: _Chain | None = None  # codes of the save in flight; promoted once its object is committed
+        self._threads = max(1, min(4, os.cpu_count() or 1))
 
     # -------------------------------------------------------------------------------------------------- save
+    def _delta_base(self, root: str, item: str) -> _Chain | None:
+        """The chain the next save may delta against: the last save's codes if that save was committed,
+        else nothing (a failed save, a restart, another root: keyframe)."""
+        if self._pending is not None:
+            self._prev = self._pending if store.is_committed(root, item, self._pending.object_id) else None
+            self._pending = None
+        prev = self._prev
+        if prev is None or prev.root != root or not store.is_committed(root, item, prev.object_id):
+            return None
+        return prev
+
     async def async_save(self, directory, args: "InshrinkSave" = None, **kwargs):
         if args is None or not isinstance(args, InshrinkSave):
             raise ValueError("InshrinkCheckpointHandler.save needs `args=inshrink_jax.InshrinkSave(state, ...)`")
         t0 = time.perf_counter()
         cfg = self.config
         flat, _ = jax.tree_util.tree_flatten_with_path(args.state, is_leaf=lambda x: x is None)
+        leaves_meta, quant_idx = _classify(flat, cfg)
         grads = self._grads_by_path(args.grads)
-        leaves_meta, plans = [], []
-        quant_idx = []
-        for i, (path, x) in enumerate(flat):
-            keystr = jax.tree_util.keystr(path)
-            meta = {"path": _path_entries(path), "keystr": keystr}
-            if x is None or isinstance(x, (bool, int, float, str)):
-                if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 2**63:
-                    raise TypeError(f"leaf {keystr}: integer {x} does not fit in 64 bits")
-                meta.update(kind="scalar", value=x, type=type(x).__name__)
-            elif isinstance(x, (jax.Array, np.ndarray, np.generic)):
-                dtype = jnp.dtype(x.dtype) if not _is_prng_key(x) else None
-                part = _part(path) if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "other"
-                quantizable = (isinstance(x, jax.Array) and dtype is not None and dtype.name in _QUANTIZABLE
-                               and x.ndim >= 2 and x.size >= cfg.min_compress_size and part == "params")
-                meta.update(shape=list(x.shape), part=part if x.ndim >= 1 else "other",
-                            sharding=str(getattr(x, "sharding", "numpy")))
-                if _is_prng_key(x):
-                    meta.update(kind="prng_key", impl=str(jax.random.key_impl(x)), dtype="uint32",
-                                data_shape=list(jax.random.key_data(x).shape))
-                elif quantizable:
-                    meta.update(kind="quantized", dtype=dtype.name, layer_type=quantize.layer_type(
-                        keystr, x.shape, cfg.layer_type_rules))
-                    quant_idx.append(i)
-                else:
-                    meta.update(kind="array", dtype=dtype.name)
-            else:
-                raise TypeError(f"leaf {keystr} has unsupported type {type(x).__name__}; inshrink_jax stores "
-                                "jax/NumPy arrays, Python scalars, strings and None")
-            leaves_meta.append(meta)
+        root, item, step = store.locate(directory)
+        base = self._delta_base(root, item)
+        object_id = store.new_object_id(root, item, step)
 
-        # Device work: encode all quantized leaves, then copy what the commit needs to the host.
+        # Device work, dispatched, not waited for: encode all quantized leaves and start the copies to the host.
         xs = [flat[i][1] for i in quant_idx]
         gs = [grads.get(self._match(grads, leaves_meta[i]["keystr"])) for i in quant_idx]
         if args.eval_fn is not None and not self._warned_eval_fn:
@@ -144,18 +185,14 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             warnings.warn("InshrinkSave(eval_fn=...) is not used yet: this release has no configuration search and "
                           "saves with the fixed CompressionConfig.quant", stacklevel=2)
         devs = quantize.encode_on_device(xs, gs, [leaves_meta[i]["layer_type"] for i in quant_idx], cfg.quant, cfg)
-        host: list[tuple[int, list, Any]] = []  # (leaf, box, payload)
+        shards: list[tuple[int, list, Any]] = []  # (leaf, box, what to store)
         for i, x, dev in zip(quant_idx, xs, devs):
-            leaves_meta[i].update(bins=dev.bins, centres=[float(c) for c in np.asarray(dev.centres)])
-            pdtype = quantize.protected_storage_dtype(x.dtype, cfg)
-            x_by_index = {_key(s.index): s.data for s in x.addressable_shards}
+            dev.start_copy_to_host()
+            in_place = {s.device: s.data for s in dev.protected_in_place.addressable_shards}
             for s in dev.codes.addressable_shards:
-                if s.replica_id != 0:
-                    continue
-                xs_data = x_by_index.get(_key(s.index))
-                xs_data = x[s.index] if xs_data is None else xs_data
-                enc = quantize.to_host(xs_data, quantize.DeviceCodes(s.data, dev.centres, dev.bins), pdtype)
-                host.append((i, _box(s.index, x.shape), enc))
+                if s.replica_id == 0:
+                    shards.append((i, _box(s.index, x.shape), (s.data, dev.centres, in_place[s.device])))
+        # Lossless leaves: copied now (the caller may overwrite or donate them once we return).
         for i, (path, x) in enumerate(flat):
             kind = leaves_meta[i].get("kind")
             if kind not in ("array", "prng_key"):
@@ -164,42 +201,68 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             if isinstance(data, jax.Array):
                 for s in data.addressable_shards:
                     if s.replica_id == 0:
-                        host.append((i, _box(s.index, data.shape), np.array(s.data, copy=True)))
+                        shards.append((i, _box(s.index, data.shape), np.array(s.data, copy=True)))
             elif jax.process_index() == self._primary_host:
-                host.append((i, _box(tuple(slice(None) for _ in np.shape(data)), np.shape(data)),
-                             np.array(data, copy=True)))
+                shards.append((i, _box(tuple(slice(None) for _ in np.shape(data)), np.shape(data)),
+                               np.array(data, copy=True)))
         blocking = time.perf_counter() - t0
 
         raw = {"params": 0, "optimizer": 0, "other": 0}
-        for m, (_, x) in zip(leaves_meta, flat):
+        for m in leaves_meta:
             if "shape" in m:
                 raw[m["part"]] += int(np.prod(m.get("data_shape", m["shape"]))) * jnp.dtype(m["dtype"]).itemsize
         manifest = {"format": store.FORMAT, "version": store.FORMAT_VERSION, "process_count": jax.process_count(),
-                    "config": _config_json(cfg), "quant": dataclasses.asdict(cfg.quant), "leaves": leaves_meta,
-                    "raw_bytes": raw, "search": "none (fixed configuration)",
+                    "object": object_id, "config": _config_json(cfg), "quant": dataclasses.asdict(cfg.quant),
+                    "leaves": leaves_meta, "raw_bytes": raw, "search": "none (fixed configuration)",
                     "sensitivity": (f"gradient EMA on {sum(g is not None for g in gs)} of {len(gs)} quantized leaves"
                                     if grads else "magnitude (no grads given)")}
         process = jax.process_index()
         primary = process == self._primary_host
+        object_path = os.path.join(store.objects_dir(root, item), object_id)
+
+        def encode_shard(i, box, payload):
+            """(segments, chain entry or None) of one shard: host copy, delta, entropy coding."""
+            meta = leaves_meta[i]
+            if not isinstance(payload, tuple):
+                return {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})}, None
+            enc = quantize.to_host(*payload, meta["dtype"])
+            prev = base.codes.get((meta["keystr"], _box_key(box))) if base is not None else None
+            if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every:
+                b = delta.modulus(prev[1], enc.bins)
+                stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": base.object_id,
+                                                                             "modulus": b}, prev[2] + 1
+            else:
+                stream, extra, depth = enc.codes, {}, 0
+            segments = {
+                "codes": (*codec.compress_best(stream, codec.ZSTD), extra),
+                "protected": (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
+                              {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)}),
+            }
+            return segments, (enc.codes, enc.bins, depth, [float(c) for c in enc.centres])
 
         async def commit():
-            writer = store.BlobWriter(directory, process)
+            with concurrent.futures.ThreadPoolExecutor(self._threads) as pool:
+                results = list(pool.map(lambda t: encode_shard(*t), shards))
+            writer = store.BlobWriter(object_path, process)
             stored = {"params": 0, "optimizer": 0, "other": 0}
-            for i, box, payload in host:
+            chain: dict = {}
+            for (i, box, _), (segments, link) in zip(shards, results):
                 before = writer.nbytes
-                if isinstance(payload, quantize.EncodedTensor):
-                    writer.add(i, box, {
-                        "codes": (*codec.compress_best(payload.codes, codec.ZSTD), {}),
-                        "protected": (*codec.compress_best(payload.protected, codec.ZSTD_PLANES),
-                                      {"dtype": payload.protected.dtype.name, "count": int(payload.protected.size)}),
-                    })
-                else:
-                    writer.add(i, box, {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})})
+                writer.add(leaves_meta[i]["keystr"], box, segments)
                 stored[leaves_meta[i].get("part", "other")] += writer.nbytes - before
-            total = time.perf_counter() - t0
-            writer.close({"stored_bytes": stored, "blocking_seconds": blocking, "total_seconds": total})
+                if link is not None:
+                    chain[(leaves_meta[i]["keystr"], _box_key(box))] = link[:3]
+                    leaves_meta[i].update(bins=link[1], centres=link[3])
+            for i, dev in zip(quant_idx, devs):  # centres of leaves with no shard on this process
+                if "centres" not in leaves_meta[i]:
+                    leaves_meta[i].update(bins=dev.bins, centres=[float(c) for c in np.asarray(dev.centres)])
+            depths = [d for _, _, d in chain.values()]
+            writer.close({"stored_bytes": stored, "blocking_seconds": blocking,
+                          "total_seconds": time.perf_counter() - t0, "keyframe_shards": depths.count(0),
+                          "delta_shards": len(depths) - depths.count(0), "max_depth": max(depths, default=0)})
             if primary:
-                store.write_json(f"{directory}/{store.MANIFEST}", manifest)
+                store.write_json(os.path.join(directory, store.MANIFEST), manifest)
+            self._pending = _Chain(root, object_id, chain)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="inshrink_save")]
 
@@ -212,8 +275,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def finalize(self, directory) -> None:
         # Runs once on the primary host after every process finished writing, before Orbax's rename.
-        manifest, _ = store.read_json(f"{directory}/{store.MANIFEST}", "manifest", directory)
-        record = store.finalize(directory, manifest["process_count"])
+        manifest, _ = store.read_json(os.path.join(directory, store.MANIFEST), "manifest", directory)
+        record = store.finalize(directory, manifest["object"], manifest["process_count"])
         self.last_figures = figures_from(manifest, record)
 
     @staticmethod
@@ -236,7 +299,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         leaves = reader.manifest["leaves"]
         target = None if args is None else args.item
         if target is None:
-            values = [_restore_leaf(reader, i, m, None) for i, m in enumerate(leaves)]
+            values = [_restore_leaf(reader, m, None) for m in leaves]
+            self._adopt(reader)
             return _unflatten_plain([m["path"] for m in leaves], values)
         flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
         by_key = {m["keystr"]: i for i, m in enumerate(leaves)}
@@ -259,20 +323,25 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         if problems:
             raise ValueError(f"{store.describe(directory)}: the restore target does not match the saved "
                              f"leaves: " + "; ".join(problems[:20]))
-        values = [_restore_leaf(reader, by_key[k], leaves[by_key[k]], t) for k, (_, t) in zip(want, flat)]
+        values = [_restore_leaf(reader, leaves[by_key[k]], t) for k, (_, t) in zip(want, flat)]
+        self._adopt(reader)
         return jax.tree_util.tree_unflatten(treedef, values)
+
+    def _adopt(self, reader: store.Reader) -> None:
+        """Continue the chain from a restored step: its codes are on disk, committed, and now held here, so the
+        next save may store a delta against them (after a resume the weights sit on that grid: tiny deltas).
+        Only the shards this process decoded are held; others start a keyframe."""
+        bins = {m["keystr"]: m["bins"] for m in reader.manifest["leaves"] if m["kind"] == "quantized"}
+        codes = {key: (c, bins[key[0]], depth) for key, (c, depth) in reader.codes_cache.items()}
+        self._prev, self._pending = _Chain(reader.root, reader.object_id, codes), None
 
     def metadata(self, directory):
         reader = store.Reader(directory)
-        return figures_from(reader.manifest, reader.commit)
+        return figures_from(reader.manifest, reader.own.commit)
 
     @classmethod
     def typestr(cls) -> str:
         return "inshrink_jax.InshrinkCheckpointHandler"
-
-
-def _key(index) -> tuple:
-    return tuple((s.start, s.stop, s.step) for s in index)
 
 
 def _config_json(cfg: CompressionConfig) -> dict:
@@ -282,7 +351,8 @@ def _config_json(cfg: CompressionConfig) -> dict:
 
 
 def figures_from(manifest: dict, commit: dict) -> dict:
-    """Per-save figures: raw and stored bytes per part, ratios, timings, the configuration used."""
+    """Per-save figures from the manifest and the object's commit record: raw and stored bytes per part,
+    ratios, keyframe or delta and chain depth, timings, the configuration used."""
     stored = {"params": 0, "optimizer": 0, "other": 0}
     for p in commit["processes"]:
         for k, v in p["figures"]["stored_bytes"].items():
@@ -290,7 +360,11 @@ def figures_from(manifest: dict, commit: dict) -> dict:
     raw = manifest["raw_bytes"]
     ratio = {k: (raw[k] / stored[k] if stored[k] else None) for k in raw}
     ratio["total"] = sum(raw.values()) / max(sum(stored.values()), 1)
+    figs = [p["figures"] for p in commit["processes"]]
+    n_key, n_delta = sum(f["keyframe_shards"] for f in figs), sum(f["delta_shards"] for f in figs)
+    kind = "delta" if n_delta and not n_key else "keyframe" if not n_delta else "mixed"
     return {"raw_bytes": raw, "stored_bytes": stored, "ratio": ratio, "quant": manifest["quant"],
+            "kind": kind, "chain_depth": max(f["max_depth"] for f in figs), "object": manifest["object"],
             "sensitivity": manifest["sensitivity"], "search": manifest["search"],
             "blocking_seconds": max(p["figures"]["blocking_seconds"] for p in commit["processes"]),
             "total_seconds": max(p["figures"]["total_seconds"] for p in commit["processes"])}
@@ -320,20 +394,20 @@ def _fill(out: np.ndarray, box, pieces, what: str) -> np.ndarray:
     return out
 
 
-def _restore_leaf(reader: store.Reader, i: int, meta: dict, target):
-    kind = meta["kind"]
+def _restore_leaf(reader: store.Reader, meta: dict, target):
+    kind, leaf = meta["kind"], meta["keystr"]
     what = f"{store.describe(reader.directory)}: leaf {meta['keystr']}"
     if kind == "scalar":
         return meta["value"]
     shape = tuple(meta["shape"])
-    shards = reader.shards.get(i, [])
+    shards = reader.shards.get(leaf, [])
     cache: dict = {}
 
     def stored(p, entry, name, dtype, shape_):
         key = (p, id(entry), name)
         if key not in cache:
             seg = entry["segments"][name]
-            raw = codec.decompress(reader.segment(i, p, seg, name), seg["codec"], np.dtype(dtype).itemsize)
+            raw = codec.decompress(reader.segment(leaf, p, seg, name), seg["codec"], np.dtype(dtype).itemsize)
             arr = np.frombuffer(raw, dtype)
             if arr.size != int(np.prod(shape_)):
                 raise store.CheckpointCorruptError(f"{what}: segment {name!r} holds {arr.size} values, expected "
@@ -369,14 +443,11 @@ def _restore_leaf(reader: store.Reader, i: int, meta: dict, target):
         # Positions of a stored shard's protected weights, scanned once however many target boxes it overlaps.
         key = (p, id(entry), "positions")
         if key not in cache:
-            cache[key] = quantize.protected_positions(stored(p, entry, "codes", np.uint8, sshape), bins)
+            cache[key] = quantize.protected_positions(reader.codes(leaf, entry["box"])[0], bins)
         return cache[key]
 
     def enc_box(box):
-        pieces = []
-        for p, e in shards:
-            sshape = [b[1] - b[0] for b in e["box"]]
-            pieces.append((e["box"], (lambda p=p, e=e, s=sshape: stored(p, e, "codes", np.uint8, s))))
+        pieces = [(e["box"], (lambda e=e: reader.codes(leaf, e["box"])[0])) for _, e in shards]
         codes = _fill(np.empty([b[1] - b[0] for b in box], np.uint8), box, pieces, what)
         pos_parts, val_parts = [], []
         for p, e in shards:

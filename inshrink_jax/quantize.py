@@ -9,9 +9,12 @@ then prune (the `prune_fraction` least important of the remaining weights of >= 
 layer type), then quantize the rest to the nearest of K centres from weighted k-means on their histogram.
 
 All per-weight work is one jitted function per layer type (so XLA runs the tensors' histogram passes side by
-side). The positions of protected weights are found on the host from the uint8 codes, which the host fetches
-anyway: a device-side prefix sum costs about a third of the whole encoder on XLA's CPU backend, the host scan a
-hundredth of that (benchmarks/results/stages.md).
+side). Besides the codes it emits each tensor's protected values *in place* (the storage-dtype value where the
+code is protected, 0 elsewhere; one fused elementwise output), so nothing has to read the input after the
+encoder is dispatched: a training loop may donate its state the moment `save()` returns, and the device work
+and the device-to-host copies finish in the background. The host compacts the protected values with a scan of
+the uint8 codes it fetches anyway: a device-side prefix sum (`jnp.nonzero`) costs 10-15 ns per weight on XLA's
+CPU backend, the host scan 0.1 ns (benchmarks/results/stages.md).
 """
 
 from __future__ import annotations
@@ -106,12 +109,21 @@ def _scores(x: jax.Array, g: jax.Array | None):
     return x32, finite, mag, jnp.where(jnp.isfinite(sens), sens, 0.0)
 
 
+def _storage_values(x: jax.Array, out_dtype) -> jax.Array:
+    """`x` cast to the protected-value storage dtype; a finite float32 beyond bfloat16's range stays finite."""
+    if jnp.dtype(out_dtype) == jnp.bfloat16 and x.dtype == jnp.float32:
+        x = jnp.where(jnp.isfinite(x), jnp.clip(x, -_BF16_MAX, _BF16_MAX), x)
+    return x.astype(out_dtype)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("bins", "prune_metric", "prunable", "spec", "sigma", "iters", "tol", "restarts")
+    jax.jit, static_argnames=("bins", "prune_metric", "prunable", "spec", "sigma", "iters", "tol", "restarts",
+                              "out_dtypes")
 )
 def _encode_group(xs, gs, protect_fraction, prune_fraction, key, *, bins, prune_metric, prunable, spec, sigma,
-                  iters, tol, restarts):
-    """Codes and centres of the tensors of one layer type (they share the prune threshold)."""
+                  iters, tol, restarts, out_dtypes):
+    """Codes, centres and in-place protected values of the tensors of one layer type (they share the prune
+    threshold)."""
     scored = [_scores(x, g) for x, g in zip(xs, gs)]
     protected = []
     for (x32, finite, mag, sens), g in zip(scored, gs):
@@ -137,20 +149,12 @@ def _encode_group(xs, gs, protect_fraction, prune_fraction, key, *, bins, prune_
     centres = jax.vmap(
         lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol, restarts=restarts)
     )(counts, keys)
-    codes = []
-    for (x32, _, _, _), p, q, c in zip(scored, protected, pruned, centres):
+    codes, in_place = [], []
+    for x, (x32, _, _, _), p, q, c, od in zip(xs, scored, protected, pruned, centres, out_dtypes):
         level = 1 + kmeans.assign(x32, c)
         codes.append(jnp.where(p, protected_code(bins), jnp.where(q, PRUNED, level)).astype(jnp.uint8))
-    return codes, list(centres)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype",))
-def _gather(x, flat_positions, *, out_dtype):
-    values = x.reshape(-1)[flat_positions]
-    if jnp.dtype(out_dtype) == jnp.bfloat16 and x.dtype == jnp.float32:
-        # A finite float32 beyond bfloat16's range would round to Inf: keep it finite.
-        values = jnp.where(jnp.isfinite(values), jnp.clip(values, -_BF16_MAX, _BF16_MAX), values)
-    return values.astype(out_dtype)
+        in_place.append(jnp.where(p, _storage_values(x, od), jnp.zeros((), od)))
+    return codes, list(centres), in_place
 
 
 def _padded(positions: np.ndarray, fill: int) -> np.ndarray:
@@ -166,20 +170,20 @@ def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:
     return np.flatnonzero(codes.reshape(-1) == protected_code(bins)).astype(np.int32)
 
 
-def gather_protected(x: jax.Array, codes: np.ndarray, bins: int, dtype) -> np.ndarray:
-    """Values of `x` at its protected positions, in position order, cast to storage `dtype` (host array)."""
-    pos = protected_positions(codes, bins)
-    if pos.size == 0:
-        return np.zeros((0,), dtype)
-    return np.asarray(_gather(x, _padded(pos, 0), out_dtype=jnp.dtype(dtype)))[: pos.size]
-
-
 class DeviceCodes(NamedTuple):
-    """Encoder output still on the device(s): codes with the input's sharding, replicated centres."""
+    """Encoder output still on the device(s), every array with the input's sharding except the replicated
+    centres: codes, and the protected values in place (storage dtype, 0 where not protected)."""
 
     codes: jax.Array
     centres: jax.Array
+    protected_in_place: jax.Array
     bins: int
+
+    def start_copy_to_host(self) -> None:
+        """Start the device-to-host copies of this process's shards (non-blocking)."""
+        for a in (self.codes, self.centres, self.protected_in_place):
+            for s in a.addressable_shards:
+                s.data.copy_to_host_async()
 
 
 def encode_on_device(
@@ -201,7 +205,8 @@ def encode_on_device(
       key: PRNG key for k-means++; defaults to PRNGKey(cfg.seed).
 
     Returns:
-      One `DeviceCodes` per input, in order (nothing copied to the host yet).
+      One `DeviceCodes` per input, in order. Nothing is waited for: the work is dispatched, and the results
+      are futures until read; nothing reads `xs` after this returns.
     """
     if not (len(xs) == len(gs) == len(layer_types)):
         raise ValueError("encode needs one gradient (or None) and one layer type per tensor")
@@ -211,23 +216,25 @@ def encode_on_device(
     for t, kind in enumerate(sorted(set(layer_types))):
         idx = [i for i, lt in enumerate(layer_types) if lt == kind]
         bins = quant.bins_for(kind)
-        codes, centres = _encode_group(
+        codes, centres, in_place = _encode_group(
             [xs[i] for i in idx], [gs[i] for i in idx], jnp.float32(quant.protect_fraction),
             jnp.float32(quant.prune_fraction), jax.random.fold_in(key, t),
             bins=bins, prune_metric=quant.prune_metric, prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec,
             sigma=cfg.sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
+            out_dtypes=tuple(protected_storage_dtype(xs[i].dtype, cfg) for i in idx),
         )
-        for i, c, cen in zip(idx, codes, centres):
-            out[i] = DeviceCodes(c, cen, bins)
+        for i, c, cen, v in zip(idx, codes, centres, in_place):
+            out[i] = DeviceCodes(c, cen, v, bins)
     return out  # type: ignore[return-value]
 
 
-def to_host(x: jax.Array, dev: DeviceCodes, protected_dtype) -> EncodedTensor:
-    """Copy one encoded tensor (or one shard of it: `x` and `dev.codes` then are the shard's data on its
-    device) to the host, with its protected values gathered on the device."""
-    host_codes = np.asarray(dev.codes)
-    return EncodedTensor(host_codes, np.asarray(dev.centres),
-                         gather_protected(x, host_codes, dev.bins, protected_dtype), jnp.dtype(x.dtype).name)
+def to_host(codes, centres, protected_in_place, dtype) -> EncodedTensor:
+    """One encoded tensor, or one shard of it, as host arrays: the arguments are the device arrays (or shards'
+    data) of a `DeviceCodes`; `dtype` is the leaf's dtype. Blocks until they are computed and copied."""
+    host_codes = np.asarray(codes)
+    bins = int(centres.shape[0])
+    values = np.asarray(protected_in_place).reshape(-1)[protected_positions(host_codes, bins)]
+    return EncodedTensor(host_codes, np.asarray(centres), values, jnp.dtype(dtype).name)
 
 
 def encode_tensors(
@@ -240,7 +247,7 @@ def encode_tensors(
 ) -> list[EncodedTensor]:
     """`encode_on_device`, then each whole tensor copied to the host (single-process arrays)."""
     devs = encode_on_device(xs, gs, layer_types, quant, cfg, key)
-    return [to_host(x, d, protected_storage_dtype(x.dtype, cfg)) for x, d in zip(xs, devs)]
+    return [to_host(d.codes, d.centres, d.protected_in_place, x.dtype) for x, d in zip(xs, devs)]
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

@@ -1,9 +1,19 @@
-"""On-disk layout of one checkpoint item: manifest, one blob per process, offset tables, commit record.
+"""On-disk layout: step manifests that reference objects in a store beside the steps; chains; checksums; GC.
 
-    <item>/manifest.json          primary host: format version, config, tree, per-leaf kind/shape/dtype/centres
-    <item>/blob.<p>               process p: concatenated compressed segments of the shards it owns
-    <item>/index.<p>.json         process p: offset table: leaf, shard box, segment offsets, lengths, CRC32, codec
-    <item>/commit.json            primary host, in `finalize`: CRC32 and size of every index and blob, figures
+    <root>/<step>/<item>/manifest.json            primary host, in the commit: format, config, tree, per-leaf
+                                                  kind/shape/dtype/centres, and the id of the step's object
+    <root>/<step>/<item>/commit.json              primary host, in `finalize`: every object the step needs (its
+                                                  own and all its delta bases) with the CRC32 of their records
+    <root>/inshrink_objects/<item>/<id>/blob.<p>          process p: its shards' compressed segments
+    <root>/inshrink_objects/<item>/<id>/index.<p>.json    process p: offset table (leaf, box, segments, CRC32s)
+    <root>/inshrink_objects/<item>/<id>/commit.json       primary host, in `finalize`: sizes and CRC32s of every
+                                                  blob and index, the objects this one's deltas build on
+
+Why an object store (DESIGN.md section 4, design (a)): a delta needs its bases. Orbax deletes step directories
+by its own rules (`max_to_keep`, `keep_period`, `best_fn`, preservation policies, `mngr.delete`, a user's `rm`);
+none of them can take a base away from a listed step, because a step directory holds only references. The
+primary host deletes an object only when no committed step references it (`collect_garbage`, run in
+`finalize`), so the data of steps Orbax deleted disappears at the next save.
 
 Nothing here executes code from the files (JSON only, no pickle). Every read is checked: a missing file, a
 wrong size or a CRC mismatch raises `CheckpointCorruptError` naming the step, the item and the leaf.
@@ -13,27 +23,45 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zlib
 from typing import Any
 
 import numpy as np
 
+from inshrink_jax import codec, delta
+
 FORMAT = "inshrink_jax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
+OBJECTS = "inshrink_objects"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint file is missing, truncated or does not match its checksum."""
 
 
+def _base(name: str) -> str:
+    return name.split(TMP_SUFFIX)[0]
+
+
+def locate(directory) -> tuple[str, str, str]:
+    """(root, item name, step name) of an Orbax item directory `<root>/<step>[tmp]/<item>[tmp]`."""
+    d = os.path.normpath(os.fspath(directory))
+    step_dir = os.path.dirname(d)
+    return os.path.dirname(step_dir), _base(os.path.basename(d)), _base(os.path.basename(step_dir))
+
+
 def describe(directory) -> str:
     """'step S, item I (path)' for error messages, from an Orbax item directory."""
-    d = os.fspath(directory)
-    item = os.path.basename(d).split(".orbax-checkpoint-tmp")[0]
-    step = os.path.basename(os.path.dirname(d)).split(".orbax-checkpoint-tmp")[0]
-    return f"step {step}, item {item!r} ({d})"
+    _, item, step = locate(directory)
+    return f"step {step}, item {item!r} ({os.fspath(directory)})"
+
+
+def objects_dir(root: str, item: str) -> str:
+    return os.path.join(root, OBJECTS, item)
 
 
 def crc32(data: bytes) -> int:
@@ -52,11 +80,14 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
-def write_json(path, obj) -> None:
-    """Write `obj` as JSON with a CRC32 of its canonical form, so any changed byte is detected on read."""
+def write_json(path, obj) -> bytes:
+    """Write `obj` as JSON with a CRC32 of its canonical form, so any changed byte is detected on read.
+    Returns the bytes written."""
     body = _canonical(obj)
+    raw = b'{"crc32":%d,"body":' % crc32(body) + body + b"}"
     with open(path, "wb") as f:
-        f.write(b'{"crc32":%d,"body":' % crc32(body) + body + b"}")
+        f.write(raw)
+    return raw
 
 
 def read_json(path, what: str, directory) -> tuple[Any, bytes]:
@@ -65,7 +96,7 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"{describe(directory)}: {what} {os.path.basename(path)} is missing") from None
+        raise CheckpointCorruptError(f"{describe(directory)}: {what} {path} is missing") from None
     try:
         wrapped = json.loads(raw)
         body = wrapped["body"]
@@ -73,23 +104,42 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
         ok = False
     if not ok:
-        raise CheckpointCorruptError(f"{describe(directory)}: {what} {os.path.basename(path)} is truncated or "
-                                     "corrupted (checksum mismatch)")
+        raise CheckpointCorruptError(f"{describe(directory)}: {what} {path} is truncated or corrupted "
+                                     "(checksum mismatch)")
     return body, raw
 
 
-class BlobWriter:
-    """Accumulates this process's segments; `close` writes blob.<p> and index.<p>.json."""
+# ------------------------------------------------------------------------------------------------- objects
+def is_committed(root: str, item: str, object_id: str) -> bool:
+    """Whether `object_id` was finalized (its commit record exists): only such objects are delta bases."""
+    return os.path.exists(os.path.join(objects_dir(root, item), object_id, COMMIT))
 
-    def __init__(self, directory, process: int):
-        self.directory = os.fspath(directory)
+
+def new_object_id(root: str, item: str, step: str) -> str:
+    """`<step>.<n>`, n one more than any committed object of the same step name (a step saved again after
+    `mngr.delete` must not overwrite data that later deltas still use). Every process computes the same id:
+    objects are committed only in `finalize`, which Orbax completes on all processes before the next save."""
+    try:
+        names = os.listdir(objects_dir(root, item))
+    except FileNotFoundError:
+        names = []
+    used = [int(n.rsplit(".", 1)[1]) for n in names
+            if n.rsplit(".", 1)[0] == step and n.rsplit(".", 1)[-1].isdigit() and is_committed(root, item, n)]
+    return f"{step}.{max(used) + 1 if used else 0}"
+
+
+class BlobWriter:
+    """Accumulates this process's segments of one object; `close` writes blob.<p> and index.<p>.json."""
+
+    def __init__(self, object_path: str, process: int):
+        self.path = object_path
         self.process = process
         self.entries: list[dict] = []
         self._parts: list[bytes] = []
         self._offset = 0
 
-    def add(self, leaf: int, box: list[list[int]], segments: dict[str, tuple[bytes, str, dict]]) -> None:
-        """One shard of one leaf: segments name -> (compressed bytes, codec id, extra JSON fields)."""
+    def add(self, leaf: str, box: list[list[int]], segments: dict[str, tuple[bytes, str, dict]]) -> None:
+        """One shard of one leaf (by key path): segments name -> (compressed bytes, codec id, extra fields)."""
         entry = {"leaf": leaf, "box": box, "segments": {}}
         for name, (data, codec_id, extra) in segments.items():
             entry["segments"][name] = {"offset": self._offset, "length": len(data), "crc32": crc32(data),
@@ -103,37 +153,142 @@ class BlobWriter:
         return self._offset
 
     def close(self, figures: dict) -> None:
-        with open(os.path.join(self.directory, blob_name(self.process)), "wb") as f:
+        os.makedirs(self.path, exist_ok=True)
+        with open(os.path.join(self.path, blob_name(self.process)), "wb") as f:
             for part in self._parts:
                 f.write(part)
-        write_json(os.path.join(self.directory, index_name(self.process)),
+        write_json(os.path.join(self.path, index_name(self.process)),
                    {"process": self.process, "blob_bytes": self._offset, "entries": self.entries,
                     "figures": figures})
 
 
-def finalize(directory, process_count: int) -> dict:
-    """Check that every process wrote its index and blob, then record their checksums in commit.json.
+def finalize(directory, object_id: str, process_count: int) -> dict:
+    """Commit one save (primary host, after every process wrote): check each process's blob and index, check
+    that every object its deltas build on is committed, write the object's and the step's commit records, then
+    collect unreferenced objects. Returns the object's commit record.
 
-    Returns the commit record. Raises CheckpointCorruptError if a process's files are missing or inconsistent.
+    Raises CheckpointCorruptError if a process's files or a delta base are missing: the save then fails and
+    Orbax does not list the step.
     """
-    record = {"processes": []}
+    root, item, _ = locate(directory)
+    path = os.path.join(objects_dir(root, item), object_id)
+    record: dict = {"processes": [], "bases": []}
+    bases = set()
     for p in range(process_count):
-        index, raw = read_json(os.path.join(directory, index_name(p)), "offset table", directory)
-        blob = os.path.join(directory, blob_name(p))
+        index, raw = read_json(os.path.join(path, index_name(p)), "offset table", directory)
+        blob = os.path.join(path, blob_name(p))
         if not os.path.exists(blob) or os.path.getsize(blob) != index["blob_bytes"]:
-            raise CheckpointCorruptError(f"{describe(directory)}: blob of process {p} is missing or has the wrong "
-                                         f"size; the save did not complete")
+            raise CheckpointCorruptError(f"{describe(directory)}: blob of process {p} in {path} is missing or has "
+                                         "the wrong size; the save did not complete")
         record["processes"].append({"index_crc32": crc32(raw), "blob_bytes": index["blob_bytes"],
                                     "figures": index["figures"]})
-    write_json(os.path.join(directory, COMMIT), record)
+        bases.update(s["base"] for e in index["entries"] for s in e["segments"].values() if "base" in s)
+    closure: dict[str, int] = {}
+    for b in sorted(bases):
+        base_record, raw = read_json(os.path.join(objects_dir(root, item), b, COMMIT),
+                                     f"commit record of delta base {b}", directory)
+        closure[b] = crc32(raw)
+        closure.update(base_record["closure"])
+    record["bases"] = sorted(bases)
+    record["closure"] = closure
+    raw = write_json(os.path.join(path, COMMIT), record)
+    write_json(os.path.join(directory, COMMIT), {"object": object_id, "objects": {object_id: crc32(raw), **closure}})
+    collect_garbage(root, item, current=directory)
     return record
 
 
+def referenced_objects(root: str, item: str, current=None) -> set[str] | None:
+    """Objects referenced by the committed steps under `root` (and the step being finalized at `current`).
+    None if some step's records cannot be read: then nothing may be deleted."""
+    refs: set[str] = set()
+    dirs = [os.path.join(root, d, item) for d in os.listdir(root) if TMP_SUFFIX not in d and d != OBJECTS]
+    for d in dirs + ([os.fspath(current)] if current is not None else []):
+        if not os.path.isdir(d):
+            continue
+        try:
+            commit, _ = read_json(os.path.join(d, COMMIT), "commit record", d)
+        except (CheckpointCorruptError, OSError):
+            if os.path.exists(os.path.join(d, MANIFEST)):
+                return None  # a step we cannot read: keep everything rather than guess
+            continue
+        refs.update(commit["objects"])
+    return refs
+
+
+def collect_garbage(root: str, item: str, current=None) -> list[str]:
+    """Delete the objects no committed step references (primary host only). Returns the ids deleted."""
+    refs = referenced_objects(root, item, current)
+    if refs is None:
+        return []
+    try:
+        names = os.listdir(objects_dir(root, item))
+    except FileNotFoundError:
+        return []
+    gone = sorted(n for n in names if n not in refs)
+    for n in gone:
+        shutil.rmtree(os.path.join(objects_dir(root, item), n), ignore_errors=True)
+    return gone
+
+
+# ---------------------------------------------------------------------------------------------------- read
+class _Object:
+    """Checked access to one object's indices and blobs."""
+
+    def __init__(self, root: str, item: str, object_id: str, record_crc: int, directory):
+        self.id = object_id
+        self.directory = directory
+        self.path = os.path.join(objects_dir(root, item), object_id)
+        if not os.path.isdir(self.path):
+            raise CheckpointCorruptError(
+                f"{describe(directory)}: needs object {object_id} ({self.path}), which is missing; it was deleted "
+                "outside inshrink_jax. This step cannot be restored; restore another step.")
+        self.commit, raw = read_json(os.path.join(self.path, COMMIT), f"commit record of object {object_id}",
+                                     directory)
+        if crc32(raw) != record_crc:
+            raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
+                                         "match the step's commit record (file replaced or corrupted)")
+        self.entries: dict[tuple, tuple[int, dict]] = {}
+        for p, rec in enumerate(self.commit["processes"]):
+            index, raw = read_json(os.path.join(self.path, index_name(p)), "offset table", directory)
+            if crc32(raw) != rec["index_crc32"]:
+                raise CheckpointCorruptError(f"{describe(directory)}: offset table of process {p} in object "
+                                             f"{object_id} does not match its checksum in the commit record")
+            for entry in index["entries"]:
+                self.entries[(entry["leaf"], _box_key(entry["box"]))] = (p, entry)
+        self._blobs: dict[int, Any] = {}
+
+    def _blob(self, p: int):
+        if p not in self._blobs:
+            path = os.path.join(self.path, blob_name(p))
+            try:
+                size = os.path.getsize(path)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{describe(self.directory)}: {path} is missing") from None
+            expect = self.commit["processes"][p]["blob_bytes"]
+            if size != expect:
+                raise CheckpointCorruptError(f"{describe(self.directory)}: {path} has {size} bytes, expected "
+                                             f"{expect} (truncated?)")
+            self._blobs[p] = np.memmap(path, np.uint8, "r") if size else b""
+        return self._blobs[p]
+
+    def segment(self, leaf: str, p: int, seg: dict, name: str) -> bytes:
+        data = bytes(self._blob(p)[seg["offset"]: seg["offset"] + seg["length"]])
+        if len(data) != seg["length"] or crc32(data) != seg["crc32"]:
+            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} in "
+                                         f"{self.path}/{blob_name(p)} does not match its checksum (corrupted file)")
+        return data
+
+
+def _box_key(box) -> tuple:
+    return tuple(tuple(b) for b in box)
+
+
 class Reader:
-    """Checked access to one item directory's segments."""
+    """Checked access to one step's item: its manifest, its own object's shards, and codes along delta chains."""
 
     def __init__(self, directory):
         self.directory = os.fspath(directory)
+        self.root, self.item, self.step = locate(self.directory)
         self.manifest, _ = read_json(os.path.join(self.directory, MANIFEST), "manifest", self.directory)
         if self.manifest.get("format") != FORMAT:
             raise CheckpointCorruptError(f"{describe(self.directory)}: not an inshrink_jax checkpoint item")
@@ -142,35 +297,53 @@ class Reader:
                 f"{describe(self.directory)}: written by format version {self.manifest['version']}, this release "
                 f"reads up to {FORMAT_VERSION}; upgrade inshrink_jax")
         self.commit, _ = read_json(os.path.join(self.directory, COMMIT), "commit record", self.directory)
-        self.shards: dict[int, list[tuple[int, dict]]] = {}
-        for p, rec in enumerate(self.commit["processes"]):
-            index, raw = read_json(os.path.join(self.directory, index_name(p)), "offset table", self.directory)
-            if crc32(raw) != rec["index_crc32"]:
-                raise CheckpointCorruptError(f"{describe(self.directory)}: offset table of process {p} does not "
-                                             "match its checksum in commit.json")
-            for entry in index["entries"]:
-                self.shards.setdefault(entry["leaf"], []).append((p, entry))
-        self._blobs: dict[int, np.memmap | bytes] = {}
+        self.object_id = self.commit["object"]
+        self._objects: dict[str, _Object] = {}
+        self.own = self.object(self.object_id)
+        self.shards: dict[str, list[tuple[int, dict]]] = {}
+        for (leaf, _), (p, entry) in self.own.entries.items():
+            self.shards.setdefault(leaf, []).append((p, entry))
+        self.codes_cache: dict[tuple, tuple[np.ndarray, int]] = {}  # (object, leaf, box) -> (codes, depth)
 
-    def leaf_name(self, leaf: int) -> str:
-        return self.manifest["leaves"][leaf]["keystr"]
+    def object(self, object_id: str) -> _Object:
+        if object_id not in self._objects:
+            if object_id not in self.commit["objects"]:
+                raise CheckpointCorruptError(f"{describe(self.directory)}: object {object_id} is used but not "
+                                             "listed in the step's commit record")
+            self._objects[object_id] = _Object(self.root, self.item, object_id, self.commit["objects"][object_id],
+                                               self.directory)
+        return self._objects[object_id]
 
-    def _blob(self, p: int):
-        if p not in self._blobs:
-            path = os.path.join(self.directory, blob_name(p))
-            try:
-                size = os.path.getsize(path)
-            except FileNotFoundError:
-                raise CheckpointCorruptError(f"{describe(self.directory)}: {blob_name(p)} is missing") from None
-            if size != self.commit["processes"][p]["blob_bytes"]:
-                raise CheckpointCorruptError(f"{describe(self.directory)}: {blob_name(p)} has {size} bytes, "
-                                             f"expected {self.commit['processes'][p]['blob_bytes']} (truncated?)")
-            self._blobs[p] = np.memmap(path, np.uint8, "r") if size else b""
-        return self._blobs[p]
+    def segment(self, leaf: str, p: int, seg: dict, name: str) -> bytes:
+        return self.own.segment(leaf, p, seg, name)
 
-    def segment(self, leaf: int, p: int, seg: dict, name: str) -> bytes:
-        data = bytes(self._blob(p)[seg["offset"]: seg["offset"] + seg["length"]])
-        if len(data) != seg["length"] or crc32(data) != seg["crc32"]:
-            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {self.leaf_name(leaf)}: segment "
-                                         f"{name!r} in {blob_name(p)} does not match its checksum (corrupted file)")
-        return data
+    def codes(self, leaf: str, box) -> tuple[np.ndarray, int]:
+        """(uint8 codes, chain depth) of one shard of this step, walking its delta chain back to the keyframe.
+
+        Only the step's own result is cached (a shard may overlap several target boxes), not the chain's."""
+        key = (leaf, _box_key(box))
+        if key in self.codes_cache:
+            return self.codes_cache[key]
+        shape = [b[1] - b[0] for b in box]
+        chain, object_id = [], self.object_id
+        while True:  # back to the keyframe
+            obj = self.object(object_id)
+            found = obj.entries.get(key)
+            if found is None:
+                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: object {object_id} has no "
+                                             f"shard {box} (a delta chain is broken)")
+            seg = found[1]["segments"]["codes"]
+            chain.append((obj, found[0], seg))
+            if "base" not in seg:
+                break
+            object_id = seg["base"]
+        codes = None
+        for obj, p, seg in reversed(chain):
+            stream = np.frombuffer(codec.decompress(obj.segment(leaf, p, seg, "codes"), seg["codec"]), np.uint8)
+            if stream.size != int(np.prod(shape)):
+                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: codes of shard {box} in "
+                                             f"object {obj.id} hold {stream.size} values, expected "
+                                             f"{int(np.prod(shape))}")
+            codes = stream.reshape(shape) if codes is None else delta.decode(codes, stream, seg["modulus"])
+        self.codes_cache[key] = (codes, len(chain) - 1)
+        return self.codes_cache[key]

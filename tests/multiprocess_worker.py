@@ -26,15 +26,26 @@ state = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, save_shardi
 mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler())
 mngr.save(0, args=ij.InshrinkSave(state))
 mngr.wait_until_finished()
+# a second save: each process stores the change of its own shards since step 0
+host1 = jax.tree.map(lambda x: x + 0.01 * rng.normal(size=x.shape).astype(np.float32), host)
+state1 = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, save_sharding, lambda i, x=x: x[i]), host1)
+mngr.save(1, args=ij.InshrinkSave(state1))
+mngr.wait_until_finished()
+assert mngr.item_metadata(1)["kind"] == "delta", mngr.item_metadata(1)
 
-written = sorted(f for f in os.listdir(os.path.join(root, "0", "default")) if f.startswith("blob."))
+reader = ij.store.Reader(os.path.join(root, "0", "default"))
+written = sorted(f for f in os.listdir(reader.own.path) if f.startswith("blob."))
 restore_sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devs.reshape(2, 2), ("a", "b")), P("b", "a"))
 target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=restore_sharding), host)
 r = mngr.restore(0, args=ij.InshrinkRestore(target))
-reader = ij.store.Reader(os.path.join(root, "0", "default"))
 for s in r["opt"]["mu"].addressable_shards:
     np.testing.assert_array_equal(np.asarray(s.data), host["opt"]["mu"][s.index])
 for s in r["params"]["w"].addressable_shards:
     assert np.max(np.abs(np.asarray(s.data) - host["params"]["w"][s.index])) < 0.5
 per_process = {p: sum(1 for v in reader.shards.values() for q, _ in v if q == p) for p in (0, 1)}
+r1 = mngr.restore(1, args=ij.InshrinkRestore(target))
+for s in r1["opt"]["mu"].addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), host1["opt"]["mu"][s.index])
+for s in r1["params"]["w"].addressable_shards:
+    assert np.max(np.abs(np.asarray(s.data) - host1["params"]["w"][s.index])) < 0.5
 print(f"OK process {process_id} blobs={written} shards_per_process={per_process}", flush=True)

@@ -136,7 +136,7 @@ def test_sharded_save_restores_into_another_layout(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(other["opt"]["mu"]), tree["opt"]["mu"])
     # four saved shards of w, one per device
-    assert len(ij.store.Reader(tmp_path / "0" / "default").shards[1]) == 4
+    assert len(ij.store.Reader(tmp_path / "0" / "default").shards["['params']['w']"]) == 4
 
 
 def test_overwriting_state_after_save_does_not_change_checkpoint(tmp_path):
@@ -176,14 +176,21 @@ def test_unsupported_leaf_is_refused_before_writing(tmp_path):
     assert mngr.all_steps() == []
 
 
-@pytest.mark.parametrize("victim", ["blob.0", "index.0.json", "manifest.json", "commit.json"])
+def object_dir(root, step, item="default"):
+    """The object directory holding a step's own data."""
+    return root / ij.store.OBJECTS / item / ij.store.Reader(root / str(step) / item).object_id
+
+
+@pytest.mark.parametrize("victim", ["object/blob.0", "object/index.0.json", "object/commit.json",
+                                    "step/manifest.json", "step/commit.json"])
 def test_corruption_is_a_clear_error(tmp_path, victim):
     tree = {"params": {"w": jnp.asarray(np.random.default_rng(3).normal(size=(128, 64)), jnp.float32)},
             "opt": {"mu": jnp.ones((300,))}}
     mngr = manager(tmp_path)
     mngr.save(0, args=ij.InshrinkSave(tree))
     mngr.wait_until_finished()
-    path = tmp_path / "0" / "default" / victim
+    where, name = victim.split("/")
+    path = (object_dir(tmp_path, 0) if where == "object" else tmp_path / "0" / "default") / name
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
     path.write_bytes(bytes(data))

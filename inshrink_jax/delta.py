@@ -1,0 +1,52 @@
+"""Quantization-aware delta coding of code arrays (ALGORITHM.md step 6), on the host with NumPy.
+
+A later checkpoint stores, per weight, the cyclic change of its code since the previous checkpoint,
+    d = (c_new - c_prev) mod B,    B = max(K_prev, K_new) + 2,
+(K levels plus the pruned and protected codes; B bounds every code of both checkpoints, so d < B and the
+decoder gets c_new = (c_prev + d) mod B exactly, even when the bin count changed). The deltas are stored
+*rearranged*: ordered by a stable sort of c_prev, so weights that shared a level, which tend to move together,
+sit side by side and zstd sees long runs. The decoder holds c_prev, recomputes the same permutation, and
+nothing extra is stored.
+
+Both directions are vectorised NumPy on uint8 arrays (NumPy's stable sort of 8-bit keys is a radix sort, so
+the rearrangement is linear time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def modulus(bins_prev: int, bins_new: int) -> int:
+    """B for a delta between checkpoints quantized to `bins_prev` and `bins_new` levels."""
+    return max(bins_prev, bins_new) + 2
+
+
+def _order(prev: np.ndarray) -> np.ndarray:
+    return np.argsort(prev.reshape(-1), kind="stable")
+
+
+def encode(prev: np.ndarray, new: np.ndarray, b: int, rearrange: bool = True) -> np.ndarray:
+    """The delta stream (uint8, flat) that turns codes `prev` into `new` (same shape), modulo `b`."""
+    if prev.shape != new.shape:
+        raise ValueError(f"delta between codes of different shapes {prev.shape} and {new.shape}")
+    if not 2 <= b <= 256:
+        raise ValueError(f"delta modulus {b} outside [2, 256]")
+    d = np.subtract(new.reshape(-1), prev.reshape(-1), dtype=np.int16)
+    d %= b
+    d = d.astype(np.uint8)
+    return d[_order(prev)] if rearrange else d
+
+
+def decode(prev: np.ndarray, d: np.ndarray, b: int, rearrange: bool = True) -> np.ndarray:
+    """Codes of the new checkpoint from `prev` and a stream from `encode(prev, new, b, rearrange)`."""
+    flat = prev.reshape(-1)
+    if d.size != flat.size:
+        raise ValueError(f"delta stream has {d.size} values for {flat.size} codes")
+    if rearrange:
+        order = _order(prev)
+        out = np.empty_like(flat)
+        out[order] = (flat[order].astype(np.int16) + d) % b
+    else:
+        out = ((flat.astype(np.int16) + d) % b).astype(np.uint8)
+    return out.reshape(prev.shape)
