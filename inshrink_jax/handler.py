@@ -155,10 +155,12 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     # -------------------------------------------------------------------------------------------------- save
     def _delta_base(self, root: str, item: str) -> _Chain | None:
-        """The chain the next save may delta against: the last save's codes if that save was committed,
-        else nothing (a failed save, a restart, another root: keyframe)."""
+        """The chain the next save may delta against: the codes of the last save that was committed (a failed
+        save leaves the one before it), or of the last restore; None after a restart or for another root (the
+        next save is a keyframe)."""
         if self._pending is not None:
-            self._prev = self._pending if store.is_committed(root, item, self._pending.object_id) else None
+            if store.is_committed(root, item, self._pending.object_id):
+                self._prev = self._pending
             self._pending = None
         prev = self._prev
         if prev is None or prev.root != root or not store.is_committed(root, item, prev.object_id):
