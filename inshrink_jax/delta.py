@@ -26,16 +26,29 @@ def _order(prev: np.ndarray) -> np.ndarray:
     return np.argsort(prev.reshape(-1), kind="stable")
 
 
+def _sorted(flat: np.ndarray, b: int) -> np.ndarray:
+    """`flat` sorted ascending (= flat[_order(flat)]), as uint16, built from its histogram without a gather."""
+    counts = np.bincount(flat, minlength=b)
+    if counts.size > b:
+        raise ValueError(f"codes up to {counts.size - 1} do not fit delta modulus {b}")
+    return np.repeat(np.arange(b, dtype=np.uint16), counts)
+
+
+def _wrap(v: np.ndarray, b: int) -> np.ndarray:
+    """v mod b for v in [0, 2b) (uint16), as uint8."""
+    return np.where(v >= b, v - np.uint16(b), v).astype(np.uint8)
+
+
 def encode(prev: np.ndarray, new: np.ndarray, b: int, rearrange: bool = True) -> np.ndarray:
     """The delta stream (uint8, flat) that turns codes `prev` into `new` (same shape), modulo `b`."""
     if prev.shape != new.shape:
         raise ValueError(f"delta between codes of different shapes {prev.shape} and {new.shape}")
     if not 2 <= b <= 256:
         raise ValueError(f"delta modulus {b} outside [2, 256]")
-    d = np.subtract(new.reshape(-1), prev.reshape(-1), dtype=np.int16)
-    d %= b
-    d = d.astype(np.uint8)
-    return d[_order(prev)] if rearrange else d
+    p, n = prev.reshape(-1), new.reshape(-1)
+    if rearrange:
+        p, n = _sorted(p, b), n[_order(p)]
+    return _wrap(n.astype(np.uint16) + np.uint16(b) - p, b)
 
 
 def decode(prev: np.ndarray, d: np.ndarray, b: int, rearrange: bool = True) -> np.ndarray:
@@ -43,10 +56,8 @@ def decode(prev: np.ndarray, d: np.ndarray, b: int, rearrange: bool = True) -> n
     flat = prev.reshape(-1)
     if d.size != flat.size:
         raise ValueError(f"delta stream has {d.size} values for {flat.size} codes")
-    if rearrange:
-        order = _order(prev)
-        out = np.empty_like(flat)
-        out[order] = (flat[order].astype(np.int16) + d) % b
-    else:
-        out = ((flat.astype(np.int16) + d) % b).astype(np.uint8)
+    if not rearrange:
+        return _wrap(flat.astype(np.uint16) + d, b).reshape(prev.shape)
+    out = np.empty_like(flat)
+    out[_order(flat)] = _wrap(_sorted(flat, b) + d, b)
     return out.reshape(prev.shape)

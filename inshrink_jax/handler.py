@@ -301,6 +301,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         leaves = reader.manifest["leaves"]
         target = None if args is None else args.item
         if target is None:
+            self._decode_codes(reader, [(m, None) for m in leaves])
             values = [_restore_leaf(reader, m, None) for m in leaves]
             self._adopt(reader)
             return _unflatten_plain([m["path"] for m in leaves], values)
@@ -325,9 +326,28 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         if problems:
             raise ValueError(f"{store.describe(directory)}: the restore target does not match the saved "
                              f"leaves: " + "; ".join(problems[:20]))
-        values = [_restore_leaf(reader, leaves[by_key[k]], t) for k, (_, t) in zip(want, flat)]
+        pairs = [(leaves[by_key[k]], t) for k, (_, t) in zip(want, flat)]
+        self._decode_codes(reader, pairs)
+        values = [_restore_leaf(reader, m, t) for m, t in pairs]
         self._adopt(reader)
         return jax.tree_util.tree_unflatten(treedef, values)
+
+    def _decode_codes(self, reader: store.Reader, pairs: list) -> None:
+        """Decode, in parallel threads, the codes of every stored shard this process's part of the restore
+        overlaps (NumPy and zstandard release the GIL): delta chains make this the bulk of a restore."""
+        needed = []
+        for meta, target in pairs:
+            if meta["kind"] != "quantized":
+                continue
+            shape = tuple(meta["shape"])
+            sharding = getattr(target, "sharding", None)
+            boxes = ([[[0, n] for n in shape]] if sharding is None or isinstance(target, np.ndarray) else
+                     [_box(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()])
+            for _, e in reader.shards.get(meta["keystr"], []):
+                if any(_overlap(b, e["box"]) is not None for b in boxes):
+                    needed.append((meta["keystr"], e["box"]))
+        with concurrent.futures.ThreadPoolExecutor(self._threads) as pool:
+            list(pool.map(lambda k: reader.codes(*k), needed))
 
     def _adopt(self, reader: store.Reader) -> None:
         """Continue the chain from a restored step: its codes are on disk, committed, and now held here, so the
