@@ -1,10 +1,14 @@
 """Entropy coding of byte streams (host, NumPy + zstandard).
 
-Two codecs, each identified by an id string that the manifest records next to every blob, so a reader picks
+Codecs, each identified by an id string that the manifest records next to every blob, so a reader picks
 the decoder by id and a later format adds a codec instead of breaking old checkpoints:
   "zstd"        plain zstandard of the bytes (code streams, deltas, small metadata).
   "zstd-planes" byte-plane grouping then zstandard, for lossless float data: byte i of every element is
                 stored together, so the exponent bytes (which repeat) form long runs that zstd finds.
+  "zstd-sparse" for uint8 streams that are mostly 0 (deltas): the bit mask of non-zero positions
+                (packed 8 per byte) and the non-zero values, each zstandard-coded. zstd codes literals with
+                Huffman, which spends at least 1 bit per symbol; a stream that is 90% zeros has an order-0
+                entropy near 0.5 bit, which the packed mask (whose bytes Huffman codes well) approaches.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -16,8 +20,14 @@ import zstandard
 
 ZSTD = "zstd"
 ZSTD_PLANES = "zstd-planes"
+ZSTD_SPARSE = "zstd-sparse"
 RAW = "raw"
 DEFAULT_LEVEL = 3
+# Code and delta streams: whichever of these is smaller, at zstd level 1. On near-memoryless uint8 streams
+# level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
+# 1.08x vs 1.21x H0 on 8-level codes (benchmarks/results/delta.md has the measured figures).
+CODE_CODECS = (ZSTD, ZSTD_SPARSE)
+CODE_LEVEL = 1
 
 
 def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
@@ -28,30 +38,46 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
     if codec == ZSTD_PLANES:
         arr = np.ascontiguousarray(data)
         data = arr.view(np.uint8).reshape(-1, arr.dtype.itemsize).T.tobytes() if arr.size else b""
+    elif codec == ZSTD_SPARSE:
+        arr = np.frombuffer(data if not isinstance(data, np.ndarray) else np.ascontiguousarray(data).tobytes(),
+                            np.uint8)
+        mask = arr != 0
+        packed = compress(np.packbits(mask), ZSTD, level, threads)
+        return np.array([arr.size, len(packed)], "<u8").tobytes() + packed + compress(arr[mask], ZSTD, level,
+                                                                                      threads)
     elif codec != ZSTD:
-        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}")
+        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_SPARSE!r}")
     buf = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(buf)
 
 
-def compress_best(data: np.ndarray, codec: str, level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
-    """`compress` with `codec`, or the raw bytes if those are not larger: (bytes, codec id used)."""
-    raw = np.ascontiguousarray(data).tobytes()
-    packed = compress(data, codec, level)
-    return (packed, codec) if len(packed) < len(raw) else (raw, RAW)
+def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
+    """The smallest of `compress` with each of `codecs` and the raw bytes: (bytes, codec id used)."""
+    best = (np.ascontiguousarray(data).tobytes(), RAW)
+    for c in (codecs,) if isinstance(codecs, str) else codecs:
+        packed = compress(data, c, level)
+        if len(packed) < len(best[0]):
+            best = (packed, c)
+    return best
 
 
 def decompress(blob: bytes, codec: str, itemsize: int = 1) -> bytes:
     """Inverse of `compress`; `itemsize` is the element size the planes were split by (zstd-planes only)."""
     if codec == RAW:
         return bytes(blob)
+    if codec == ZSTD_SPARSE:
+        n, k = (int(v) for v in np.frombuffer(blob[:16], "<u8"))
+        mask = np.unpackbits(np.frombuffer(decompress(blob[16:16 + k], ZSTD), np.uint8), count=n).view(bool)
+        out = np.zeros(n, np.uint8)
+        out[mask] = np.frombuffer(decompress(blob[16 + k:], ZSTD), np.uint8)
+        return out.tobytes()
     raw = zstandard.ZstdDecompressor().decompress(blob)
     if codec == ZSTD:
         return raw
     if codec == ZSTD_PLANES:
         planes = np.frombuffer(raw, np.uint8).reshape(itemsize, -1)
         return planes.T.tobytes()
-    raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}")
+    raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_SPARSE!r}")
 
 
 def order0_entropy_bytes(symbols: np.ndarray) -> float:

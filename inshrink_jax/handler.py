@@ -236,7 +236,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             else:
                 stream, extra, depth = enc.codes, {}, 0
             segments = {
-                "codes": (*codec.compress_best(stream, codec.ZSTD), extra),
+                "codes": (*codec.compress_best(stream, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
                 "protected": (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
                               {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)}),
             }
