@@ -5,10 +5,12 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
   "zstd"        plain zstandard of the bytes (code streams, deltas, small metadata).
   "zstd-planes" byte-plane grouping then zstandard, for lossless float data: byte i of every element is
                 stored together, so the exponent bytes (which repeat) form long runs that zstd finds.
-  "zstd-sparse" for uint8 streams that are mostly 0 (deltas): the bit mask of non-zero positions
-                (packed 8 per byte) and the non-zero values, each zstandard-coded. zstd codes literals with
-                Huffman, which spends at least 1 bit per symbol; a stream that is 90% zeros has an order-0
-                entropy near 0.5 bit, which the packed mask (whose bytes Huffman codes well) approaches.
+  "zstd-rle"    for uint8 streams that are mostly 0 (deltas): the length of the run of zeros before each
+                non-zero value (uint8, 255 = "255 more zeros, continue") and the non-zero values, each
+                zstandard-coded: the paper's run-length + Huffman, with zstd's Huffman literals as the
+                entropy coder. Plain zstd spends at least 1 bit per symbol on literals; a stream that is 97%
+                zeros has an order-0 entropy near 0.25 bit per symbol, which coded run lengths approach
+                (tests/test_codec.py, benchmarks/results/delta.md).
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -20,13 +22,13 @@ import zstandard
 
 ZSTD = "zstd"
 ZSTD_PLANES = "zstd-planes"
-ZSTD_SPARSE = "zstd-sparse"
+ZSTD_RLE = "zstd-rle"
 RAW = "raw"
 DEFAULT_LEVEL = 3
 # Code and delta streams: whichever of these is smaller, at zstd level 1. On near-memoryless uint8 streams
 # level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
 # 1.08x vs 1.21x H0 on 8-level codes (benchmarks/results/delta.md has the measured figures).
-CODE_CODECS = (ZSTD, ZSTD_SPARSE)
+CODE_CODECS = (ZSTD, ZSTD_RLE)
 CODE_LEVEL = 1
 
 
@@ -38,15 +40,19 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
     if codec == ZSTD_PLANES:
         arr = np.ascontiguousarray(data)
         data = arr.view(np.uint8).reshape(-1, arr.dtype.itemsize).T.tobytes() if arr.size else b""
-    elif codec == ZSTD_SPARSE:
+    elif codec == ZSTD_RLE:
         arr = np.frombuffer(data if not isinstance(data, np.ndarray) else np.ascontiguousarray(data).tobytes(),
                             np.uint8)
-        mask = arr != 0
-        packed = compress(np.packbits(mask), ZSTD, level, threads)
-        return np.array([arr.size, len(packed)], "<u8").tobytes() + packed + compress(arr[mask], ZSTD, level,
-                                                                                      threads)
+        nonzero = np.flatnonzero(arr)
+        gaps = np.diff(nonzero, prepend=-1) - 1
+        extra = gaps // 255
+        runs = np.full(gaps.size + int(extra.sum()), 255, np.uint8)
+        runs[np.cumsum(extra + 1) - 1] = gaps % 255
+        packed = compress(runs, ZSTD, level, threads)
+        return (np.array([arr.size, len(packed)], "<u8").tobytes() + packed
+                + compress(arr[nonzero], ZSTD, level, threads))
     elif codec != ZSTD:
-        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_SPARSE!r}")
+        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
     buf = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(buf)
 
@@ -65,19 +71,21 @@ def decompress(blob: bytes, codec: str, itemsize: int = 1) -> bytes:
     """Inverse of `compress`; `itemsize` is the element size the planes were split by (zstd-planes only)."""
     if codec == RAW:
         return bytes(blob)
-    if codec == ZSTD_SPARSE:
+    if codec not in (ZSTD, ZSTD_PLANES, ZSTD_RLE):
+        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
+    if codec == ZSTD_RLE:
         n, k = (int(v) for v in np.frombuffer(blob[:16], "<u8"))
-        mask = np.unpackbits(np.frombuffer(decompress(blob[16:16 + k], ZSTD), np.uint8), count=n).view(bool)
+        runs = np.frombuffer(decompress(blob[16:16 + k], ZSTD), np.uint8)
+        ends = np.flatnonzero(runs != 255)  # each ends one run: 255 * (preceding 255s) + its own value
+        gaps = runs[ends].astype(np.int64) + 255 * (np.diff(ends, prepend=-1) - 1)
         out = np.zeros(n, np.uint8)
-        out[mask] = np.frombuffer(decompress(blob[16 + k:], ZSTD), np.uint8)
+        out[np.cumsum(gaps + 1) - 1] = np.frombuffer(decompress(blob[16 + k:], ZSTD), np.uint8)
         return out.tobytes()
     raw = zstandard.ZstdDecompressor().decompress(blob)
     if codec == ZSTD:
         return raw
-    if codec == ZSTD_PLANES:
-        planes = np.frombuffer(raw, np.uint8).reshape(itemsize, -1)
-        return planes.T.tobytes()
-    raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_SPARSE!r}")
+    planes = np.frombuffer(raw, np.uint8).reshape(itemsize, -1)  # ZSTD_PLANES
+    return planes.T.tobytes()
 
 
 def order0_entropy_bytes(symbols: np.ndarray) -> float:
