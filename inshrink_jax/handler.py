@@ -1,8 +1,10 @@
 """The Orbax adapter: `InshrinkCheckpointHandler` with its `InshrinkSave` / `InshrinkRestore` args.
 
-Thin by design: `async_save` runs the jitted encoder (quantize.py) and copies the small results to the host;
-the commit future entropy-codes them (codec.py) and writes them (store.py); `restore` reads, checks and
-decodes. See DESIGN.md sections 1-4 and docs/format.md.
+Thin by design: `async_save` dispatches the jitted encoder (quantize.py), starts the device-to-host copies
+and returns without waiting; the commit future takes the codes to the host, turns them into deltas against
+the previous save's codes (delta.py), entropy-codes (codec.py) and writes one object per save (store.py);
+`finalize` commits it and collects unreferenced objects; `restore` reads, checks, walks delta chains and
+decodes. See DESIGN.md sections 1-4, docs/how-it-works.md and docs/format.md.
 """
 
 from __future__ import annotations
