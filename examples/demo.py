@@ -83,7 +83,7 @@ def main():
     print(f"  test accuracy: {acc:.3f} original, {acc_c:.3f} compressed "
           f"(relative change {(acc_c - acc) / acc:+.2%})")
     print("(encoded bytes = zstd codes + centres + protected values. The Orbax handler stores the same through "
-          "CheckpointManager: see README.md; delta chains and the configuration search are not implemented yet)")
+          "CheckpointManager: see README.md; it stores later checkpoints as deltas (benchmarks/results/delta.md); the configuration search is not implemented yet)")
 
 
 if __name__ == "__main__":
