@@ -87,10 +87,6 @@ def _is_prng_key(x) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _box_key(box) -> tuple:
-    return tuple(tuple(b) for b in box)
-
-
 def _classify(flat: list, cfg: CompressionConfig) -> tuple[list[dict], list[int]]:
     """Manifest entry of every leaf (kind, shape, dtype, part, layer type) and the indices of quantized ones."""
     leaves_meta, quant_idx = [], []
@@ -230,7 +226,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             if not isinstance(payload, tuple):
                 return {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})}, None
             enc = quantize.to_host(*payload, meta["dtype"])
-            prev = base.codes.get((meta["keystr"], _box_key(box))) if base is not None else None
+            prev = base.codes.get((meta["keystr"], store.box_key(box))) if base is not None else None
             if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every:
                 b = delta.modulus(prev[1], enc.bins)
                 stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": base.object_id,
@@ -242,7 +238,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                 "protected": (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
                               {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)}),
             }
-            return segments, (enc.codes, enc.bins, depth, [float(c) for c in enc.centres])
+            return segments, (enc.codes, enc.bins, depth)
 
         async def commit():
             with concurrent.futures.ThreadPoolExecutor(self._threads) as pool:
@@ -255,11 +251,9 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                 writer.add(leaves_meta[i]["keystr"], box, segments)
                 stored[leaves_meta[i].get("part", "other")] += writer.nbytes - before
                 if link is not None:
-                    chain[(leaves_meta[i]["keystr"], _box_key(box))] = link[:3]
-                    leaves_meta[i].update(bins=link[1], centres=link[3])
-            for i, dev in zip(quant_idx, devs):  # centres of leaves with no shard on this process
-                if "centres" not in leaves_meta[i]:
-                    leaves_meta[i].update(bins=dev.bins, centres=[float(c) for c in np.asarray(dev.centres)])
+                    chain[(leaves_meta[i]["keystr"], store.box_key(box))] = link
+            for i, dev in zip(quant_idx, devs):  # centres are replicated: every process has them
+                leaves_meta[i].update(bins=dev.bins, centres=[float(c) for c in np.asarray(dev.centres)])
             depths = [d for _, _, d in chain.values()]
             writer.close({"stored_bytes": stored, "blocking_seconds": blocking,
                           "total_seconds": time.perf_counter() - t0, "keyframe_shards": depths.count(0),
@@ -342,9 +336,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             if meta["kind"] != "quantized":
                 continue
             shape = tuple(meta["shape"])
-            sharding = getattr(target, "sharding", None)
-            boxes = ([[[0, n] for n in shape]] if sharding is None or isinstance(target, np.ndarray) else
-                     [_box(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()])
+            boxes = [_box(i, shape) for i in _target_sharding(target).addressable_devices_indices_map(shape).values()]
             for _, e in reader.shards.get(meta["keystr"], []):
                 if any(_overlap(b, e["box"]) is not None for b in boxes):
                     needed.append((meta["keystr"], e["box"]))
@@ -418,6 +410,14 @@ def _fill(out: np.ndarray, box, pieces, what: str) -> np.ndarray:
     return out
 
 
+def _target_sharding(target) -> jax.sharding.Sharding:
+    """Where a restored leaf goes: the target's sharding, else (None, NumPy, no sharding) the default device."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None or isinstance(target, np.ndarray):
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return sharding
+
+
 def _restore_leaf(reader: store.Reader, meta: dict, target):
     kind, leaf = meta["kind"], meta["keystr"]
     what = f"{store.describe(reader.directory)}: leaf {meta['keystr']}"
@@ -439,9 +439,7 @@ def _restore_leaf(reader: store.Reader, meta: dict, target):
             cache[key] = arr.reshape(shape_)
         return cache[key]
 
-    sharding = getattr(target, "sharding", None)
-    if sharding is None or isinstance(target, np.ndarray):
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = _target_sharding(target)
     is_numpy_target = isinstance(target, np.ndarray) or (target is None and meta.get("sharding") == "numpy")
     full = [[0, n] for n in shape]
     if kind in ("array", "prng_key"):

@@ -254,7 +254,7 @@ class _Object:
                 raise CheckpointCorruptError(f"{describe(directory)}: offset table of process {p} in object "
                                              f"{object_id} does not match its checksum in the commit record")
             for entry in index["entries"]:
-                self.entries[(entry["leaf"], _box_key(entry["box"]))] = (p, entry)
+                self.entries[(entry["leaf"], box_key(entry["box"]))] = (p, entry)
         self._blobs: dict[int, Any] = {}
 
     def _blob(self, p: int):
@@ -279,7 +279,8 @@ class _Object:
         return data
 
 
-def _box_key(box) -> tuple:
+def box_key(box) -> tuple:
+    """A shard box ([[start, stop], ...]) as a hashable key."""
     return tuple(tuple(b) for b in box)
 
 
@@ -321,7 +322,7 @@ class Reader:
         """(uint8 codes, chain depth) of one shard of this step, walking its delta chain back to the keyframe.
 
         Only the step's own result is cached (a shard may overlap several target boxes), not the chain's."""
-        key = (leaf, _box_key(box))
+        key = (leaf, box_key(box))
         if key in self.codes_cache:
             return self.codes_cache[key]
         shape = [b[1] - b[0] for b in box]
