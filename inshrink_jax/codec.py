@@ -32,6 +32,13 @@ CODE_CODECS = (ZSTD, ZSTD_RLE)
 CODE_LEVEL = 1
 
 
+def _bytes_view(data: bytes | np.ndarray) -> np.ndarray:
+    """The raw bytes of `data` as a flat uint8 array, without a copy when `data` is already contiguous."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(data, np.uint8)
+
+
 def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
     """Compress a byte string or the raw bytes of an array with `codec` (see the module docstring).
 
@@ -39,10 +46,9 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
     """
     if codec == ZSTD_PLANES:
         arr = np.ascontiguousarray(data)
-        data = arr.view(np.uint8).reshape(-1, arr.dtype.itemsize).T.tobytes() if arr.size else b""
+        buf = arr.reshape(-1).view(np.uint8).reshape(-1, arr.dtype.itemsize).T.copy() if arr.size else b""
     elif codec == ZSTD_RLE:
-        arr = np.frombuffer(data if not isinstance(data, np.ndarray) else np.ascontiguousarray(data).tobytes(),
-                            np.uint8)
+        arr = _bytes_view(data)
         nonzero = np.flatnonzero(arr)
         gaps = np.diff(nonzero, prepend=-1) - 1
         extra = gaps // 255
@@ -51,20 +57,22 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         packed = compress(runs, ZSTD, level, threads)
         return (np.array([arr.size, len(packed)], "<u8").tobytes() + packed
                 + compress(arr[nonzero], ZSTD, level, threads))
-    elif codec != ZSTD:
+    elif codec == ZSTD:
+        buf = _bytes_view(data)
+    else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
-    buf = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(buf)
 
 
 def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
     """The smallest of `compress` with each of `codecs` and the raw bytes: (bytes, codec id used)."""
-    best = (np.ascontiguousarray(data).tobytes(), RAW)
+    raw = _bytes_view(data)
+    best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     for c in (codecs,) if isinstance(codecs, str) else codecs:
-        packed = compress(data, c, level)
-        if len(packed) < len(best[0]):
-            best = (packed, c)
-    return best
+        packed = compress(raw if c != ZSTD_PLANES else data, c, level)
+        if len(packed) < best[2]:
+            best = (packed, c, len(packed))
+    return (best[0], best[1]) if best[0] is not None else (raw.tobytes(), RAW)
 
 
 def decompress(blob: bytes, codec: str, itemsize: int = 1) -> bytes:
