@@ -2,9 +2,9 @@
 
 Usage: python benchmarks/profile_stages.py [--n 1e7] [--out benchmarks/results/stages.md]
 
-Backs two decisions in docs/how-it-works.md: thresholds by radix histograms (each histogram pass is one
-scatter), and protected positions found on the host (numpy flatnonzero on uint8 codes) instead of a device
-prefix sum (XLA's cumsum / nonzero).
+Backs decisions in docs/how-it-works.md: thresholds by radix histograms (each histogram pass is one
+scatter), protected positions found on the host (numpy flatnonzero on uint8 codes) instead of a device
+prefix sum (XLA's cumsum / nonzero); and gives the host cost of one rearranged delta (save and restore side).
 """
 
 import argparse
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-from inshrink_jax import kmeans, quantize, sketch, threshold
+from inshrink_jax import delta, kmeans, quantize, sketch, threshold
 
 
 def per_element(fn, args, n, repeats=3):
@@ -42,6 +42,10 @@ def main():
     centres = jnp.sort(jax.random.normal(jax.random.PRNGKey(0), (16,)))
     codes = np.asarray(jax.jit(lambda v: (1 + kmeans.assign(v, centres)).astype(jnp.uint8))(x))
     mask = jnp.asarray(codes == 17)
+    moved = codes.copy()  # the next checkpoint's codes: 2% of weights one level up
+    hit = rng.integers(0, n, n // 50)
+    moved.reshape(-1)[hit] = moved.reshape(-1)[hit] % 17 + 1
+    stream = delta.encode(codes, moved, 18)
     rows = [
         ("sketch histogram (one scatter pass incl. keys)", jax.jit(lambda v: sketch.histogram(v, spec)), (x,)),
         ("exact k-th largest (two radix histogram passes)",
@@ -51,6 +55,11 @@ def main():
         ("device jnp.nonzero(size=n/100), rejected", jax.jit(lambda m: jnp.nonzero(m.reshape(-1), size=n // 100)),
          (mask,)),
         ("host np.flatnonzero on uint8 codes, used", lambda c: quantize.protected_positions(c, 16), (codes,)),
+        ("host stable sort of previous codes (np.argsort), inside both delta directions",
+         lambda c: np.argsort(c.reshape(-1), kind="stable"), (codes,)),
+        ("host rearranged delta encode (save)", lambda a, b: delta.encode(a, b, 18), (codes, moved)),
+        ("host rearranged delta decode (restore, per chain link)", lambda a, d: delta.decode(a, d, 18),
+         (codes, stream)),
     ]
     lines = ["# Encoder stage costs", "", f"Command: `python benchmarks/profile_stages.py {' '.join(sys.argv[1:])}`",
              "", f"{n:,d} float32 elements, best of 3 after a warm-up, {jax.devices()[0].platform}.", "",
