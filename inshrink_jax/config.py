@@ -52,6 +52,37 @@ class QuantConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """The values the configuration search may pick for each knob (ALGORITHM.md step 5; the paper's sets).
+
+    216 configurations per embedding-bins value: 6 bin counts x 6 prune fractions x 3 protect fractions x
+    2 prune metrics. The order given does not matter; the search orders each axis from most to least
+    aggressive itself. `embedding_bins` is searched only when the state has embedding tables.
+    """
+
+    bins: tuple[int, ...] = (4, 6, 8, 12, 16, 32)
+    embedding_bins: tuple[int, ...] = (16, 32)
+    prune_fractions: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+    protect_fractions: tuple[float, ...] = (0.0005, 0.005, 0.01)
+    prune_metrics: tuple[str, ...] = ("magnitude", "sensitivity")
+
+    def __post_init__(self):
+        for name in ("bins", "embedding_bins", "prune_fractions", "protect_fractions", "prune_metrics"):
+            values = getattr(self, name)
+            if not isinstance(values, tuple) or not values or len(set(values)) != len(values):
+                raise ValueError(f"SearchSpace.{name} must be a non-empty tuple of distinct values, got {values!r}")
+        # Every point of the space must be a valid QuantConfig.
+        QuantConfig(bins=max(self.bins), embedding_bins=max(self.embedding_bins))
+        QuantConfig(bins=min(self.bins), embedding_bins=min(self.embedding_bins))
+        for f in self.prune_fractions:
+            QuantConfig(prune_fraction=f)
+        for f in self.protect_fractions:
+            QuantConfig(protect_fraction=f)
+        for m in self.prune_metrics:
+            QuantConfig(prune_metric=m)
+
+
+@dataclasses.dataclass(frozen=True)
 class CompressionConfig:
     """Every parameter of the method (ALGORITHM.md), with the paper's values as defaults.
 
@@ -72,7 +103,19 @@ class CompressionConfig:
       keyframe_every: longest delta chain: a save whose previous codes are `keyframe_every - 1` deltas away
         from their keyframe stores whole codes again, so a restore decodes at most this many code streams
         per shard. 1 stores every checkpoint whole.
-      quant: the configuration used when no search runs.
+      search: pick the configuration at every save under the quality budget `epsilon` (ALGORITHM.md step 5,
+        docs/how-it-works.md); False saves every checkpoint with `quant`.
+      search_space: the values the search may pick.
+      higher_is_better: direction of `eval_fn`'s scalar: False for a loss (the default), True for an accuracy.
+        The relative degradation of a candidate is (q - q0) / |q0| for a loss, (q0 - q) / |q0| for an accuracy,
+        where q0 is the uncompressed state's value at the same step.
+      search_batch: candidates encoded and evaluated per round of the search (their device work overlaps).
+      proxy_budget: without an eval_fn, a candidate is accepted when its sensitivity-weighted relative
+        reconstruction error sum(g^2 (w - w_q)^2) / sum(g^2 w^2) (g = 1 without grads) is at most this
+        (the data-free fallback; docs/how-it-works.md says how the default was chosen).
+      metric_switch_margin: at a later save, the previous configuration switches its prune metric when the
+        other metric's degradation is lower by more than this fraction of `epsilon`.
+      quant: the configuration used when `search` is False.
     """
 
     epsilon: float = 0.05
@@ -86,7 +129,19 @@ class CompressionConfig:
     layer_type_rules: tuple[tuple[str, str], ...] = ()
     seed: int = 0
     keyframe_every: int = 10
+    search: bool = True
+    search_space: SearchSpace = SearchSpace()
+    higher_is_better: bool = False
+    search_batch: int = 4
+    proxy_budget: float = 0.01
+    metric_switch_margin: float = 0.2
     quant: QuantConfig = QuantConfig()
+
+    @property
+    def bins_capacity(self) -> int:
+        """Slots of the encoder's k-means: the largest bin count this configuration can use."""
+        sp = self.search_space
+        return max(*sp.bins, *sp.embedding_bins, self.quant.bins, self.quant.embedding_bins)
 
     def __post_init__(self):
         if not 0.0 < self.alpha < 1.0:
@@ -97,6 +152,10 @@ class CompressionConfig:
             raise ValueError(f"CompressionConfig.epsilon must be >= 0, got {self.epsilon!r}")
         if self.kmeans_iters < 0 or self.kmeans_restarts < 1:
             raise ValueError("CompressionConfig.kmeans_iters must be >= 0 and kmeans_restarts >= 1")
+        if not isinstance(self.search_batch, int) or self.search_batch < 1:
+            raise ValueError(f"CompressionConfig.search_batch must be an int >= 1, got {self.search_batch!r}")
+        if self.proxy_budget < 0 or self.metric_switch_margin < 0:
+            raise ValueError("CompressionConfig.proxy_budget and metric_switch_margin must be >= 0")
         if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
             raise ValueError(f"CompressionConfig.keyframe_every must be an int >= 1, got {self.keyframe_every!r}")
         if self.protected_dtype not in PROTECTED_DTYPES:

@@ -23,8 +23,8 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 
-from inshrink_jax import codec, delta, quantize, store
-from inshrink_jax.config import CompressionConfig
+from inshrink_jax import codec, delta, quantize, search, store
+from inshrink_jax.config import CompressionConfig, QuantConfig
 
 _OPTIMIZER_NAMES = {"opt_state", "optimizer", "mu", "nu", "trace", "momentum"}
 _QUANTIZABLE = {"float32", "bfloat16", "float16"}
@@ -146,7 +146,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         self.config = config or CompressionConfig()
         self._primary_host = multiprocessing_options.primary_host or 0
         self.last_figures: dict | None = None
-        self._warned_eval_fn = False
+        # The configuration of the last save (or restore): the search never picks a more aggressive one.
+        self._previous_quant: QuantConfig | str | None = None
         self._prev: _Chain | None = None  # codes of a committed object
         self._pending: _Chain | None = None  # codes of the save in flight; promoted once its object is committed
         self._threads = max(1, min(4, os.cpu_count() or 1))
@@ -170,28 +171,33 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise ValueError("InshrinkCheckpointHandler.save needs `args=inshrink_jax.InshrinkSave(state, ...)`")
         t0 = time.perf_counter()
         cfg = self.config
-        flat, _ = jax.tree_util.tree_flatten_with_path(args.state, is_leaf=lambda x: x is None)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(args.state, is_leaf=lambda x: x is None)
         leaves_meta, quant_idx = _classify(flat, cfg)
         grads = self._grads_by_path(args.grads)
         root, item, step = store.locate(directory)
         base = self._delta_base(root, item)
         object_id = store.new_object_id(root, item, step)
 
-        # Device work, dispatched, not waited for: encode all quantized leaves and start the copies to the host.
+        # Device work, dispatched, not waited for: choose the configuration (the search evaluates candidates on
+        # the device), encode all quantized leaves, start the copies to the host.
         xs = [flat[i][1] for i in quant_idx]
         gs = [grads.get(self._match(grads, leaves_meta[i]["keystr"])) for i in quant_idx]
-        if args.eval_fn is not None and not self._warned_eval_fn:
-            self._warned_eval_fn = True
-            warnings.warn("InshrinkSave(eval_fn=...) is not used yet: this release has no configuration search and "
-                          "saves with the fixed CompressionConfig.quant", stacklevel=2)
-        devs = quantize.encode_on_device(xs, gs, [leaves_meta[i]["layer_type"] for i in quant_idx], cfg.quant, cfg)
+        layer_types = [leaves_meta[i]["layer_type"] for i in quant_idx]
+        quant, devs, record = self._configure(flat, treedef, quant_idx, gs, layer_types, args.eval_fn)
+        if quant is None:  # lossless: nothing quantized at this save
+            for i in quant_idx:
+                leaves_meta[i]["kind"] = "array"
+                del leaves_meta[i]["layer_type"]
+            quant_idx, xs, devs = [], [], []
+        elif devs is None:
+            devs = quantize.encode_on_device(xs, gs, layer_types, quant, cfg)
         shards: list[tuple[int, list, Any]] = []  # (leaf, box, what to store)
         for i, x, dev in zip(quant_idx, xs, devs):
             dev.start_copy_to_host()
             in_place = {s.device: s.data for s in dev.protected_in_place.addressable_shards}
             for s in dev.codes.addressable_shards:
                 if s.replica_id == 0:
-                    shards.append((i, _box(s.index, x.shape), (s.data, dev.centres, in_place[s.device])))
+                    shards.append((i, _box(s.index, x.shape), (s.data, dev.centres, in_place[s.device], dev.bins)))
         # Lossless leaves: copied now (the caller may overwrite or donate them once we return).
         for i, (path, x) in enumerate(flat):
             kind = leaves_meta[i].get("kind")
@@ -212,8 +218,9 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             if "shape" in m:
                 raw[m["part"]] += int(np.prod(m.get("data_shape", m["shape"]))) * jnp.dtype(m["dtype"]).itemsize
         manifest = {"format": store.FORMAT, "version": store.FORMAT_VERSION, "process_count": jax.process_count(),
-                    "object": object_id, "config": _config_json(cfg), "quant": dataclasses.asdict(cfg.quant),
-                    "leaves": leaves_meta, "raw_bytes": raw, "search": "none (fixed configuration)",
+                    "object": object_id, "config": _config_json(cfg),
+                    "quant": None if quant is None else dataclasses.asdict(quant),
+                    "leaves": leaves_meta, "raw_bytes": raw, "search": record,
                     "sensitivity": (f"gradient EMA on {sum(g is not None for g in gs)} of {len(gs)} quantized leaves"
                                     if grads else "magnitude (no grads given)")}
         process = jax.process_index()
@@ -253,7 +260,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                 if link is not None:
                     chain[(leaves_meta[i]["keystr"], store.box_key(box))] = link
             for i, dev in zip(quant_idx, devs):  # centres are replicated: every process has them
-                leaves_meta[i].update(bins=dev.bins, centres=[float(c) for c in np.asarray(dev.centres)])
+                leaves_meta[i].update(bins=dev.bins, centres=[float(c) for c in np.asarray(dev.centres)[:dev.bins]])
             depths = [d for _, _, d in chain.values()]
             writer.close({"stored_bytes": stored, "blocking_seconds": blocking,
                           "total_seconds": time.perf_counter() - t0, "keyframe_shards": depths.count(0),
@@ -263,6 +270,28 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             self._pending = _Chain(root, object_id, chain)
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="inshrink_save")]
+
+    def _configure(self, flat, treedef, quant_idx, gs, layer_types, eval_fn):
+        """(configuration or None for lossless, its encoded leaves if the search made them, search record)."""
+        cfg = self.config
+        if not quant_idx:
+            return cfg.quant, None, {"mode": "none (no compressed leaves)"}
+        if not cfg.search:
+            if eval_fn is not None:
+                raise ValueError("InshrinkSave(eval_fn=...) is given but CompressionConfig(search=False): the "
+                                 "configuration is fixed, so eval_fn would never be called. Drop eval_fn, or "
+                                 "enable the search.")
+            return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}
+        outcome, record = search.choose([x for _, x in flat], treedef, quant_idx, gs, layer_types, cfg, eval_fn,
+                                        self._previous_quant)
+        if outcome.quant is None and self._previous_quant != search.LOSSLESS:
+            budget = (f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.proxy_budget}")
+            warnings.warn(f"no quantization configuration meets {budget} (the least aggressive one degrades by "
+                          f"more); parameters are stored losslessly from this save on, as precision never "
+                          f"decreases. A larger budget, or an eval_fn on more held-out data (less noise), keeps "
+                          f"them compressed.", stacklevel=2)
+        self._previous_quant = search.LOSSLESS if outcome.quant is None else outcome.quant
+        return outcome.quant, outcome.payload, record
 
     def save(self, directory, args: "InshrinkSave" = None, **kwargs):
         async def run():
@@ -350,6 +379,11 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         bins = {m["keystr"]: m["bins"] for m in reader.manifest["leaves"] if m["kind"] == "quantized"}
         codes = {key: (c, bins[key[0]], depth) for key, (c, depth) in reader.codes_cache.items()}
         self._prev, self._pending = _Chain(reader.root, reader.object_id, codes), None
+        # The search goes on from the restored step's configuration (precision never decreases across a resume).
+        rec = reader.manifest.get("search")
+        if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed") and "chosen" in rec:
+            chosen = rec["chosen"]
+            self._previous_quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
 
     def metadata(self, directory):
         reader = store.Reader(directory)
@@ -517,9 +551,12 @@ class InshrinkSave(ocp.args.CheckpointArgs):
       state: any pytree (Flax TrainState, nnx.state(...), dicts) of arrays, scalars, strings and None.
       grads: gradient EMA with the structure of the parameters (matched to state leaves by key-path suffix, so
         a TrainState's `grads` matches `state.params`); None uses magnitude as sensitivity.
-      eval_fn: maps a state with compressed leaves replaced by their quantize-dequantize values to a scalar
-        quality, for the configuration search. Not used yet: this release saves with the fixed
-        `CompressionConfig.quant` and warns once when an eval_fn is given.
+      eval_fn: maps a state of the saved type, with the compressed leaves replaced by their quantize-dequantize
+        values, to a scalar quality (a loss by default; `CompressionConfig.higher_is_better` for accuracies),
+        for the configuration search: a candidate is accepted when its relative degradation against the
+        uncompressed state at the same step is at most `CompressionConfig.epsilon`. Called on the thread that
+        calls `save()`, once for the uncompressed state and once per candidate. None: the search uses the
+        data-free proxy (`CompressionConfig.proxy_budget`), and the figures say so.
     """
 
     state: Any

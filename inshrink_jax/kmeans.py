@@ -6,6 +6,11 @@ the weights: each bucket is a point at its representative value with weight
 so large weights pull centres towards themselves even where they are rare. Initialisation is weighted
 k-means++ (the next centre drawn with probability proportional to W * squared distance), then weighted Lloyd
 iterations. Centres come out sorted ascending, so the codes built on them are ordinal.
+
+The number of centres `k` may be a traced value below a static `capacity`: the arrays hold `capacity` slots
+and the unused ones sit at +inf, where no point is ever assigned. One compiled kernel then serves every bin
+count the configuration search tries (XLA compiles the encoder in seconds per layer group on CPU; the
+comparison count of `assign` is memory-bound and costs the same for 8 or 32 slots, benchmarks/results/stages.md).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ def bucket_weights(counts: jax.Array, values: jax.Array, sigma: float) -> jax.Ar
 
 
 def assign(points: jax.Array, centres: jax.Array) -> jax.Array:
-    """Index of the nearest of the ascending `centres` for each point (ties go to the lower centre)."""
+    """Index of the nearest of the ascending `centres` for each point (ties go to the lower centre). Unused
+    slots at +inf are never chosen."""
     mids = 0.5 * (centres[1:] + centres[:-1])
     return jnp.sum(points[..., None] > mids, axis=-1).astype(jnp.int32)
 
@@ -41,8 +47,9 @@ def loss(points: jax.Array, weights: jax.Array, centres: jax.Array) -> jax.Array
     return jnp.sum(jnp.where(weights > 0, weights * d2, 0.0))
 
 
-def kmeans_pp_init(points: jax.Array, weights: jax.Array, k: int, key: jax.Array) -> jax.Array:
-    """Weighted k-means++: k centres drawn with probability ~ weight * squared distance to the chosen ones.
+def kmeans_pp_init(points: jax.Array, weights: jax.Array, k, key: jax.Array, capacity: int) -> jax.Array:
+    """Weighted k-means++: k centres drawn with probability ~ weight * squared distance to the chosen ones,
+    ascending in `capacity` slots (the unused ones +inf).
 
     One uniform draw per centre, inverted through the cumulative distribution (cheaper than a categorical
     draw over thousands of buckets).
@@ -56,7 +63,7 @@ def kmeans_pp_init(points: jax.Array, weights: jax.Array, k: int, key: jax.Array
         cum = jnp.cumsum(p)
         return points[jnp.clip(jnp.searchsorted(cum, u * cum[-1], side="right"), 0, points.shape[0] - 1)]
 
-    us = jax.random.uniform(key, (k,))
+    us = jax.random.uniform(key, (capacity,))
     first = draw(us[0], weights)
 
     def body(i, carry):
@@ -66,13 +73,13 @@ def kmeans_pp_init(points: jax.Array, weights: jax.Array, k: int, key: jax.Array
         c = draw(us[i], jnp.where(jnp.sum(p) > 0, p, weights))
         return centres.at[i].set(c), jnp.minimum(d2, dist2(c))
 
-    centres, _ = jax.lax.fori_loop(1, k, body, (jnp.full((k,), first), dist2(first)))
-    return jnp.sort(centres)
+    centres, _ = jax.lax.fori_loop(1, k, body, (jnp.full((capacity,), first), dist2(first)))
+    return jnp.sort(jnp.where(jnp.arange(capacity) < k, centres, jnp.inf))
 
 
 def lloyd(points: jax.Array, weights: jax.Array, centres: jax.Array, iters: int, tol: float) -> jax.Array:
-    """Weighted Lloyd iterations from ascending `centres` until no centre moves more than `tol` times the
-    spread of the points, or `iters` iterations."""
+    """Weighted Lloyd iterations from ascending `centres` (unused slots +inf, and they stay there) until no
+    centre moves more than `tol` times the spread of the points, or `iters` iterations."""
     k = centres.shape[0]
     present = weights > 0
     spread = jnp.max(jnp.where(present, points, -jnp.inf)) - jnp.min(jnp.where(present, points, jnp.inf))
@@ -86,7 +93,7 @@ def lloyd(points: jax.Array, weights: jax.Array, centres: jax.Array, iters: int,
         wsum = jax.ops.segment_sum(weights, a, num_segments=k)
         vsum = jax.ops.segment_sum(wx, a, num_segments=k)
         new = jnp.sort(jnp.where(wsum > 0, vsum / jnp.where(wsum > 0, wsum, 1.0), c))
-        return new, jnp.max(jnp.abs(new - c)), it + 1
+        return new, jnp.max(jnp.where(jnp.isfinite(c), jnp.abs(new - c), 0.0)), it + 1
 
     def cond(carry):
         _, moved, it = carry
@@ -96,29 +103,37 @@ def lloyd(points: jax.Array, weights: jax.Array, centres: jax.Array, iters: int,
     return c
 
 
-@functools.partial(jax.jit, static_argnames=("k", "iters", "restarts"))
 def weighted_kmeans(
-    points: jax.Array, weights: jax.Array, k: int, key: jax.Array, iters: int = 20, tol: float = 1e-4, restarts: int = 1
+    points: jax.Array, weights: jax.Array, k, key: jax.Array, iters: int = 20, tol: float = 1e-4, restarts: int = 1,
+    capacity: int | None = None,
 ) -> jax.Array:
     """k ascending centres of the weighted 1-D points: the best of `restarts` k-means++ + Lloyd runs.
 
-    Points with weight 0 are ignored. With no weighted point at all, every centre is 0.
+    Points with weight 0 are ignored. With no weighted point at all, every centre is 0. `k` is a static int
+    (returns k centres), or with `capacity` (static) a traced int in [1, capacity] (returns `capacity` slots,
+    the last `capacity - k` at +inf).
     """
+    return _weighted_kmeans(points, weights, k, key, tol, iters=iters, restarts=restarts,
+                            capacity=k if capacity is None else capacity)
 
+
+@functools.partial(jax.jit, static_argnames=("iters", "restarts", "capacity"))
+def _weighted_kmeans(points, weights, k, key, tol, *, iters, restarts, capacity):
     def one(key):
-        c = lloyd(points, weights, kmeans_pp_init(points, weights, k, key), iters, tol)
+        c = lloyd(points, weights, kmeans_pp_init(points, weights, k, key, capacity), iters, tol)
         return c, loss(points, weights, c)
 
     centres, losses = jax.vmap(one)(jax.random.split(key, restarts))
     best = centres[jnp.argmin(losses)]
-    return jnp.where(jnp.sum(weights) > 0, best, jnp.zeros_like(best))
+    return jnp.where(jnp.sum(weights) > 0, best, jnp.where(jnp.isfinite(best), 0.0, best))
 
 
 def histogram_kmeans(
-    counts: jax.Array, spec: SketchSpec, k: int, sigma: float, key: jax.Array, iters: int = 20, tol: float = 1e-4,
-    restarts: int = 1,
+    counts: jax.Array, spec: SketchSpec, k, sigma: float, key: jax.Array, iters: int = 20, tol: float = 1e-4,
+    restarts: int = 1, capacity: int | None = None,
 ) -> jax.Array:
-    """k ascending centres for the data behind a log-bucket histogram (see the module docstring)."""
+    """k ascending centres for the data behind a log-bucket histogram (see the module docstring; `k` and
+    `capacity` as in `weighted_kmeans`)."""
     values = jnp.asarray(spec.representatives())
     weights = bucket_weights(counts, values, sigma)
-    return weighted_kmeans(values, weights, k, key, iters=iters, tol=tol, restarts=restarts)
+    return weighted_kmeans(values, weights, k, key, iters=iters, tol=tol, restarts=restarts, capacity=capacity)

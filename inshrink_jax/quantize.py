@@ -117,13 +117,13 @@ def _storage_values(x: jax.Array, out_dtype) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("bins", "prune_metric", "prunable", "spec", "sigma", "iters", "tol", "restarts",
-                              "out_dtypes")
+    jax.jit, static_argnames=("prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity", "out_dtypes")
 )
-def _encode_group(xs, gs, protect_fraction, prune_fraction, key, *, bins, prune_metric, prunable, spec, sigma,
-                  iters, tol, restarts, out_dtypes):
-    """Codes, centres and in-place protected values of the tensors of one layer type (they share the prune
-    threshold)."""
+def _encode_group(xs, gs, bins, use_sensitivity, protect_fraction, prune_fraction, key, *, prunable, spec, sigma,
+                  iters, tol, restarts, capacity, out_dtypes):
+    """Codes, centres (`capacity` slots, the first `bins` used) and in-place protected values of the tensors of
+    one layer type (they share the prune threshold). The configuration is traced, not static, so one compiled
+    kernel serves every candidate of the configuration search."""
     scored = [_scores(x, g) for x, g in zip(xs, gs)]
     protected = []
     for (x32, finite, mag, sens), g in zip(scored, gs):
@@ -133,7 +133,8 @@ def _encode_group(xs, gs, protect_fraction, prune_fraction, key, *, bins, prune_
             p = p | threshold.kth_largest([sens], [finite], k).select(sens)
         protected.append(p | ~finite)
 
-    metric = [(mag if prune_metric == "magnitude" else sens) for (_, _, mag, sens) in scored]
+    metric = [(jnp.where(use_sensitivity, sens, mag) if g is not None else mag)
+              for (_, _, mag, sens), g in zip(scored, gs)]
     candidates = [~p & can for p, can in zip(protected, prunable)]
     if any(prunable):
         n = sum(jnp.sum(c.astype(jnp.int32)) for c in candidates)
@@ -147,14 +148,23 @@ def _encode_group(xs, gs, protect_fraction, prune_fraction, key, *, bins, prune_
     keys = jax.random.split(key, len(xs))
     # One batched k-means for all tensors of the group: the iteration overhead is paid once.
     centres = jax.vmap(
-        lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol, restarts=restarts)
+        lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol, restarts=restarts,
+                                              capacity=capacity)
     )(counts, keys)
     codes, in_place = [], []
     for x, (x32, _, _, _), p, q, c, od in zip(xs, scored, protected, pruned, centres, out_dtypes):
         level = 1 + kmeans.assign(x32, c)
-        codes.append(jnp.where(p, protected_code(bins), jnp.where(q, PRUNED, level)).astype(jnp.uint8))
+        codes.append(jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8))
         in_place.append(jnp.where(p, _storage_values(x, od), jnp.zeros((), od)))
-    return codes, list(centres), in_place
+    used = jnp.arange(capacity) < bins
+    return codes, [jnp.where(used, c, 0.0) for c in centres], in_place
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _dequantize(codes, centres, protected_in_place, bins, *, dtype):
+    table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
+    values = table[jnp.minimum(codes, centres.shape[0] + 1)]
+    return jnp.where(codes == bins + 1, protected_in_place.astype(dtype), values.astype(dtype))
 
 
 def _padded(positions: np.ndarray, fill: int) -> np.ndarray:
@@ -172,12 +182,19 @@ def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:
 
 class DeviceCodes(NamedTuple):
     """Encoder output still on the device(s), every array with the input's sharding except the replicated
-    centres: codes, and the protected values in place (storage dtype, 0 where not protected)."""
+    centres: codes, centres (the first `bins` of its slots are used), and the protected values in place
+    (storage dtype, 0 where not protected)."""
 
     codes: jax.Array
     centres: jax.Array
     protected_in_place: jax.Array
     bins: int
+
+    def dequantize(self, dtype) -> jax.Array:
+        """What a restore gives back, computed on the device(s) with the codes' sharding: pruned -> 0,
+        quantized -> centre, protected -> its stored value, in `dtype`."""
+        return _dequantize(self.codes, self.centres, self.protected_in_place, jnp.int32(self.bins),
+                           dtype=jnp.dtype(dtype))
 
     def start_copy_to_host(self) -> None:
         """Start the device-to-host copies of this process's shards (non-blocking)."""
@@ -194,7 +211,8 @@ def encode_on_device(
     cfg: CompressionConfig,
     key: jax.Array | None = None,
 ) -> list[DeviceCodes]:
-    """Run the jitted encoder; tensors of the same layer type share one prune threshold.
+    """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
+    compiled once per state structure, whatever `quant` is (its k-means has `cfg.bins_capacity` slots).
 
     Args:
       xs: float arrays (float32, bfloat16, float16), any shape and sharding.
@@ -216,11 +234,13 @@ def encode_on_device(
     for t, kind in enumerate(sorted(set(layer_types))):
         idx = [i for i, lt in enumerate(layer_types) if lt == kind]
         bins = quant.bins_for(kind)
+        if bins > cfg.bins_capacity:
+            raise ValueError(f"{bins} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
         codes, centres, in_place = _encode_group(
-            [xs[i] for i in idx], [gs[i] for i in idx], jnp.float32(quant.protect_fraction),
-            jnp.float32(quant.prune_fraction), jax.random.fold_in(key, t),
-            bins=bins, prune_metric=quant.prune_metric, prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec,
-            sigma=cfg.sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
+            [xs[i] for i in idx], [gs[i] for i in idx], np.int32(bins), np.bool_(quant.prune_metric == "sensitivity"),
+            np.float32(quant.protect_fraction), np.float32(quant.prune_fraction), jax.random.fold_in(key, t),
+            prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma, iters=cfg.kmeans_iters,
+            tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity,
             out_dtypes=tuple(protected_storage_dtype(xs[i].dtype, cfg) for i in idx),
         )
         for i, c, cen, v in zip(idx, codes, centres, in_place):
@@ -228,13 +248,13 @@ def encode_on_device(
     return out  # type: ignore[return-value]
 
 
-def to_host(codes, centres, protected_in_place, dtype) -> EncodedTensor:
+def to_host(codes, centres, protected_in_place, bins: int, dtype) -> EncodedTensor:
     """One encoded tensor, or one shard of it, as host arrays: the arguments are the device arrays (or shards'
-    data) of a `DeviceCodes`; `dtype` is the leaf's dtype. Blocks until they are computed and copied."""
+    data) of a `DeviceCodes` and its bins; `dtype` is the leaf's dtype. Blocks until they are computed and
+    copied."""
     host_codes = np.asarray(codes)
-    bins = int(centres.shape[0])
     values = np.asarray(protected_in_place).reshape(-1)[protected_positions(host_codes, bins)]
-    return EncodedTensor(host_codes, np.asarray(centres), values, jnp.dtype(dtype).name)
+    return EncodedTensor(host_codes, np.asarray(centres)[:bins], values, jnp.dtype(dtype).name)
 
 
 def encode_tensors(
@@ -247,7 +267,7 @@ def encode_tensors(
 ) -> list[EncodedTensor]:
     """`encode_on_device`, then each whole tensor copied to the host (single-process arrays)."""
     devs = encode_on_device(xs, gs, layer_types, quant, cfg, key)
-    return [to_host(d.codes, d.centres, d.protected_in_place, x.dtype) for x, d in zip(xs, devs)]
+    return [to_host(d.codes, d.centres, d.protected_in_place, d.bins, x.dtype) for x, d in zip(xs, devs)]
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))

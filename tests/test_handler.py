@@ -201,15 +201,6 @@ def test_corruption_is_a_clear_error(tmp_path, victim):
         mngr.restore(0)
 
 
-def test_eval_fn_is_reported_as_unused(tmp_path):
-    mngr = manager(tmp_path)
-    with pytest.warns(UserWarning, match="eval_fn=.*not used yet"):
-        mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: 0.0))
-    mngr.wait_until_finished()
-    assert mngr.item_metadata(0)["search"] == "none (fixed configuration)"
-    assert mngr.item_metadata(0)["sensitivity"] == "magnitude (no grads given)"
-
-
 def test_nnx_model_and_optimizer_round_trip(tmp_path):
     from flax import nnx
     import optax

@@ -1,0 +1,403 @@
+"""The configuration search (ALGORITHM.md step 5, the paper's "Quantization Config Manager").
+
+At each save it picks the `QuantConfig` with the highest estimated compression ratio whose measured relative
+degradation is at most epsilon:
+
+- The space is a cube: one axis per knob (bins, prune fraction, protect fraction, and embedding bins when the
+  state has embedding tables), each ordered from most to least aggressive, so quality is assumed to rise along
+  every axis. The prune metric is not an axis: the search runs per metric.
+- First save (and fallbacks): guided exhaustive search, once per prune metric. Walk the diagonal of the cube
+  from its most to its least aggressive corner to locate the first feasible point (a point below an
+  infeasible one is infeasible, one above a feasible one is feasible: a few evaluations decide large parts of
+  the cube). Then best first: evaluate the not-yet-excluded point with the highest estimated ratio, until the
+  best candidate left is known feasible. The paper recurses into sub-cubes instead, skipping those whose
+  ratio cannot beat the best found on the assumption that the ratio rises along every axis; measured, it does
+  not along the prune axis (10-20% pruning of a 4-8 level tensor adds a symbol and costs bits;
+  `estimated_ratio`), so we rank by the estimate and use monotonicity only for quality. No point is evaluated
+  twice.
+- Later saves: neighbourhood search. Re-check the previous configuration under both prune metrics (switch
+  metric when the other is clearly better), then its neighbours one step less aggressive on each axis. The
+  choice never becomes more aggressive than the previous one. When no neighbour is feasible, fall back to the
+  exhaustive search over the configurations that are not more aggressive than the previous one; when nothing
+  is feasible, store the parameters losslessly (and keep doing so: precision never decreases).
+- Candidates are evaluated in rounds of `search_batch` (their device work is dispatched together) in order of
+  estimated ratio, and each search stops at the first round that settles it.
+
+This module is pure logic over an `evaluate(list[QuantConfig]) -> list[(degradation, payload)]` callback, so it
+is tested with synthetic feasibility functions; `Evaluator` is the callback the handler uses (jitted encode,
+dequantize on device, then `eval_fn` or the data-free proxy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inshrink_jax import quantize
+from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
+
+LOSSLESS = "lossless"
+_PROTECTED_BITS = 16  # a bf16 protected value; only used to order candidates
+
+
+# ----------------------------------------------------------------------------------------------------- cube
+@dataclasses.dataclass(frozen=True)
+class Cube:
+    """The search space as index points: axis i holds `values[i]`, ordered from most to least aggressive."""
+
+    names: tuple[str, ...]
+    values: tuple[tuple, ...]
+    base: QuantConfig  # supplies the knobs that are not axes (e.g. embedding bins without embeddings)
+
+    @classmethod
+    def build(cls, space: SearchSpace, has_embedding: bool, base: QuantConfig) -> "Cube":
+        axes = [("bins", tuple(sorted(space.bins))),
+                ("prune_fraction", tuple(sorted(space.prune_fractions, reverse=True))),
+                ("protect_fraction", tuple(sorted(space.protect_fractions)))]
+        if has_embedding:
+            axes.append(("embedding_bins", tuple(sorted(space.embedding_bins))))
+        else:
+            base = dataclasses.replace(base, embedding_bins=max(space.embedding_bins))
+        return cls(tuple(n for n, _ in axes), tuple(v for _, v in axes), base)
+
+    @property
+    def top(self) -> tuple[int, ...]:
+        """The least aggressive point."""
+        return tuple(len(v) - 1 for v in self.values)
+
+    def config(self, point: Sequence[int], metric: str) -> QuantConfig:
+        knobs = {n: v[i] for n, v, i in zip(self.names, self.values, point)}
+        return dataclasses.replace(self.base, prune_metric=metric, **knobs)
+
+    def point(self, q: QuantConfig) -> tuple[int, ...]:
+        """The most aggressive point of the cube that is not more aggressive than `q` on any axis (q itself when
+        it is in the space; the least aggressive value of an axis when q is beyond it)."""
+        out = []
+        for name, values in zip(self.names, self.values):
+            v = getattr(q, name)
+            if name == "prune_fraction":
+                ok = [i for i, x in enumerate(values) if x <= v + 1e-12]
+            else:
+                ok = [i for i, x in enumerate(values) if x >= v - 1e-12]
+            out.append(ok[0] if ok else len(values) - 1)
+        return tuple(out)
+
+
+def _entropy(*ps: float) -> float:
+    return -sum(p * math.log2(p) for p in ps if p > 0)
+
+
+def estimated_ratio(q: QuantConfig, sizes: dict[str, int], bits: dict[str, int]) -> float:
+    """Estimated compression ratio of `q` as a keyframe, used to order candidates: per element, the order-0
+    entropy of the pruned / protected / quantized split, plus log2(K) - 0.7 bits per quantized element (the
+    level entropy of weighted k-means codes measured on trained CNN layers, 0.6-0.9 bits below log2 K for
+    K = 4..32), plus 16 bits per protected value.
+
+    `sizes` and `bits` give the elements and the bits per element of the compressed leaves per layer type.
+    More bins or more protection always cost; more pruning does not always pay (a few pruned weights add a
+    symbol to the stream), so the search does not assume it does."""
+    raw = stored = 0.0
+    for lt, n in sizes.items():
+        pp = q.protect_fraction
+        pr = (1 - pp) * q.prune_fraction
+        qf = 1 - pp - pr
+        per = _entropy(pp, pr, qf) + qf * max(math.log2(q.bins_for(lt)) - 0.7, 0.3) + pp * _PROTECTED_BITS
+        raw += n * bits[lt]
+        stored += n * per
+    return raw / max(stored, 1e-12)
+
+
+# --------------------------------------------------------------------------------------------------- search
+@dataclasses.dataclass
+class Outcome:
+    """What one save's search decided.
+
+    Attributes:
+      quant: the chosen configuration, or None for lossless parameters.
+      degradation: its measured relative degradation (0 for lossless).
+      mode: "exhaustive" (first save, or no usable previous configuration), "neighbourhood", "fallback"
+        (neighbourhood found nothing, exhaustive over the not-more-aggressive part), "lossless" (the previous
+        save was lossless; precision never decreases).
+      evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
+      rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
+      payload: the evaluator's payload for the chosen candidate (the handler's encoded device arrays).
+    """
+
+    quant: QuantConfig | None
+    degradation: float
+    mode: str
+    evaluations: int = 0
+    rounds: int = 0
+    payload: Any = None
+
+
+class _Evaluations:
+    """Evaluated candidates of one save, with monotone inference per prune metric and the best feasible one."""
+
+    def __init__(self, cube: Cube, evaluate: Callable, epsilon: float, batch: int, estimate: Callable):
+        self.cube, self.evaluate, self.epsilon, self.batch, self.estimate = cube, evaluate, epsilon, batch, estimate
+        self.known: dict[tuple[str, tuple], float] = {}  # (metric, point) -> degradation
+        self.payloads: dict[tuple[str, tuple], Any] = {}
+        self.evaluations = self.rounds = 0
+        self.best: tuple[str, tuple] | None = None
+
+    def feasible(self, metric: str, point: tuple) -> bool | None:
+        """Known or implied by monotonicity (above a feasible point: feasible; below an infeasible: not)."""
+        d = self.known.get((metric, point))
+        if d is not None:
+            return d <= self.epsilon
+        for (m, q), dq in self.known.items():
+            if m != metric:
+                continue
+            if dq <= self.epsilon and all(a <= b for a, b in zip(q, point)):
+                return True
+            if dq > self.epsilon and all(a <= b for a, b in zip(point, q)):
+                return False
+        return None
+
+    def run(self, items: Sequence[tuple[str, tuple]], keep_all: bool = False) -> None:
+        """Evaluate `items` (metric, point) not yet known, in rounds of `batch`, ordered by estimated ratio.
+        The payload of the best feasible candidate is kept (of every feasible one with `keep_all`)."""
+        todo = sorted({it for it in items if it not in self.known}, key=lambda it: (-self.estimate(it[1]), it))
+        for start in range(0, len(todo), self.batch):
+            chunk = todo[start:start + self.batch]
+            results = self.evaluate([self.cube.config(p, m) for m, p in chunk])
+            self.rounds += 1
+            self.evaluations += len(chunk)
+            for it, (d, payload) in zip(chunk, results):
+                d = float(d) if d is not None and math.isfinite(float(d)) else math.inf
+                self.known[it] = d
+                if d <= self.epsilon and (keep_all or self._better(it)):
+                    self.payloads[it] = payload
+                if d <= self.epsilon and self._better(it):
+                    if self.best is not None and not keep_all:
+                        self.payloads.pop(self.best, None)  # only the best feasible candidate's arrays are kept
+                    self.best = it
+
+    def _better(self, it) -> bool:
+        if self.best is None:
+            return True
+        a, b = self.estimate(it[1]), self.estimate(self.best[1])
+        return a > b or (a == b and self.known[it] < self.known[self.best])
+
+    def outcome(self, mode: str) -> Outcome:
+        if self.best is None:
+            return Outcome(None, 0.0, mode, self.evaluations, self.rounds)
+        m, p = self.best
+        return Outcome(self.cube.config(p, m), self.known[self.best], mode, self.evaluations, self.rounds,
+                       self.payloads.get(self.best))
+
+
+def _exhaustive(ev: _Evaluations, metric: str, floor: tuple[int, ...]) -> None:
+    """Guided exhaustive search of the box [floor, top] for one prune metric; the best feasible point found
+    (over all metrics searched so far) is left in `ev.best`.
+
+    First the diagonal walk from the box's most to its least aggressive corner locates the quality boundary
+    (a few evaluations that, by monotonicity, decide large parts of the box). Then best first: the point with
+    the highest estimated ratio that is not known to be infeasible is evaluated (a round takes the next
+    `batch` such points), until the best remaining candidate is one already evaluated as feasible, or cannot
+    beat the best feasible point of another metric."""
+    top = ev.cube.top
+    box = [p for p in itertools.product(*[range(f, t + 1) for f, t in zip(floor, top)])]
+    order = sorted(box, key=lambda p: (-ev.estimate(p), p))
+    _first_feasible(ev, metric, [tuple(min(f + t, h) for f, h in zip(floor, top))
+                                 for t in range(max(h - f for f, h in zip(floor, top)) + 1)])
+    while True:
+        open_ = [p for p in order if ev.feasible(metric, p) is not False]
+        if not open_ or (metric, open_[0]) in ev.known:
+            return  # nothing feasible, or the best candidate left is evaluated and feasible
+        if ev.best is not None and ev.estimate(ev.best[1]) >= ev.estimate(open_[0]):
+            return  # another metric's choice is at least as good as anything left here
+        ev.run([(metric, p) for p in open_ if (metric, p) not in ev.known][:ev.batch])
+
+
+def _first_feasible(ev: _Evaluations, metric: str, diag: list[tuple]) -> int | None:
+    """Index of the first feasible point of a monotone chain (None if none), evaluating at most `batch`
+    points per round, spread evenly over the undecided stretch."""
+    lo, hi = -1, len(diag)  # diag[lo] infeasible (or before the start), diag[hi] feasible (or past the end)
+    while True:
+        for t in range(lo + 1, hi):
+            f = ev.feasible(metric, diag[t])
+            if f is True:
+                hi = t
+                break
+            if f is False:
+                lo = t
+        if hi - lo <= 1:
+            return hi if hi < len(diag) else None
+        gap = hi - lo - 1
+        m = min(ev.batch, gap)
+        picks = sorted({lo + 1 + (j * gap) // m + (gap // m) // 2 for j in range(m)})
+        ev.run([(metric, diag[t]) for t in picks])
+
+
+def search(
+    evaluate: Callable[[list[QuantConfig]], list[tuple[float, Any]]],
+    cube: Cube,
+    metrics: Sequence[str],
+    epsilon: float,
+    batch: int,
+    estimate: Callable[[tuple], float],
+    previous: QuantConfig | str | None,
+    switch_margin: float = 0.2,
+) -> Outcome:
+    """Choose the configuration of one save (see the module docstring).
+
+    Args:
+      evaluate: maps candidates to (relative degradation, payload) each; inf or NaN is infeasible.
+      cube: the space; metrics: the prune metrics to consider (one when there are no gradients).
+      epsilon: largest accepted degradation; batch: candidates per round.
+      estimate: estimated compression ratio of a cube point (strictly decreasing along every axis).
+      previous: the previous save's configuration, LOSSLESS, or None (first save / no usable previous).
+      switch_margin: the previous configuration switches prune metric when the other metric's degradation is
+        lower by more than `switch_margin * epsilon`.
+    """
+    ev = _Evaluations(cube, evaluate, epsilon, batch, estimate)
+    if previous == LOSSLESS:
+        return Outcome(None, 0.0, "lossless")
+    if previous is None:
+        for metric in metrics:
+            _exhaustive(ev, metric, tuple(0 for _ in cube.values))
+        return ev.outcome("exhaustive")
+
+    p = cube.point(previous)
+    metric = previous.prune_metric if previous.prune_metric in metrics else metrics[0]
+    others = [m for m in metrics if m != metric]
+    ev.run([(m, p) for m in [metric, *others]], keep_all=True)  # one round: the previous config, each metric
+    for m in others:
+        d_m, d_cur = ev.known[(m, p)], ev.known[(metric, p)]
+        if d_m <= epsilon and (d_cur > epsilon or d_m < d_cur - switch_margin * epsilon):
+            metric = m
+    ev.best = (metric, p) if ev.known[(metric, p)] <= epsilon else None
+    ev.payloads = {k: v for k, v in ev.payloads.items() if k == ev.best}
+    if ev.best is not None:
+        return ev.outcome("neighbourhood")  # the previous configuration still holds: keep it
+    neighbours = [tuple(i + (j == axis) for j, i in enumerate(p)) for axis in range(len(p)) if p[axis] < cube.top[axis]]
+    ev.run([(metric, q) for q in neighbours])
+    if ev.best is not None:
+        return ev.outcome("neighbourhood")
+    for m in [metric, *others]:
+        _exhaustive(ev, m, p)
+    return ev.outcome("fallback")
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+@jax.jit
+def proxy_degradation(xs, dequantized, gs):
+    """The data-free quality proxy: sum(g^2 (w - w_q)^2) / sum(g^2 w^2) over all compressed tensors, with
+    g = 1 where no gradient is given. g^2 weights the squared error like a diagonal Fisher (second-order)
+    estimate of the loss change; non-finite weights are stored exactly and excluded."""
+    num = den = jnp.float32(0)
+    for x, d, g in zip(xs, dequantized, gs):
+        x32 = x.astype(jnp.float32)
+        fin = jnp.isfinite(x32)
+        w = 1.0 if g is None else jnp.square(g.astype(jnp.float32))
+        num += jnp.sum(jnp.where(fin, w * jnp.square(x32 - d.astype(jnp.float32)), 0.0))
+        den += jnp.sum(jnp.where(fin, w * jnp.square(x32), 0.0))
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
+
+
+class Evaluator:
+    """The handler's `evaluate` callback for one save: encodes each candidate with the jitted encoder,
+    dequantizes on device (exactly what a restore would give), and scores it with `eval_fn` on the state with
+    the compressed leaves replaced, or with `proxy_degradation` when there is no eval_fn. The payload of a
+    candidate is its encoder output (`quantize.DeviceCodes` per leaf), so the chosen one is saved as is.
+
+    Attributes:
+      baseline: eval_fn of the uncompressed state at this step (None for the proxy).
+      eval_calls: eval_fn calls made, the baseline included.
+    """
+
+    def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
+                 cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, what: str = "eval_fn"):
+        self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
+        self.xs = [leaves[i] for i in self.quant_idx]
+        self.gs, self.layer_types, self.cfg, self.eval_fn, self.what = list(gs), list(layer_types), cfg, eval_fn, what
+        self.eval_calls = 0
+        self.baseline: float | None = None  # measured with the first candidates
+
+
+    def _call(self, leaves):
+        self.eval_calls += 1
+        return self.eval_fn(jax.tree_util.tree_unflatten(self.treedef, leaves))
+
+    def _score(self, value) -> float:
+        try:
+            return float(np.asarray(value).reshape(()))
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.what} must return one scalar (a loss, or an accuracy with "
+                             f"CompressionConfig(higher_is_better=True)); it returned {value!r}") from None
+
+    def degradation(self, q: float) -> float:
+        """Relative degradation of quality `q` against the baseline (>0 is worse; inf for NaN)."""
+        q0 = self.baseline
+        if not math.isfinite(q):
+            return math.inf
+        worse = (q0 - q) if self.cfg.higher_is_better else (q - q0)
+        if q0 == 0:
+            return 0.0 if worse <= 0 else math.inf
+        return worse / abs(q0)
+
+    def __call__(self, quants: Sequence[QuantConfig]) -> list[tuple[float, list]]:
+        if self.eval_fn is not None and self.baseline is None:
+            self.baseline = self._score(self._call(self.leaves))
+        # Dispatch every candidate's device work first, then block on the scores together.
+        encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg) for q in quants]
+        scores = []
+        for devs in encoded:
+            deq = [d.dequantize(x.dtype) for d, x in zip(devs, self.xs)]
+            if self.eval_fn is None:
+                scores.append(proxy_degradation(self.xs, deq, self.gs))
+            else:
+                leaves = list(self.leaves)
+                for i, v in zip(self.quant_idx, deq):
+                    leaves[i] = v
+                scores.append(self._call(leaves))
+        if self.eval_fn is None:
+            return [(float(s), devs) for s, devs in zip(scores, encoded)]
+        return [(self.degradation(self._score(s)), devs) for s, devs in zip(scores, encoded)]
+
+
+def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
+           cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None) -> tuple[Outcome, dict]:
+    """Run the search for one save; returns the outcome and its record for the manifest (chosen
+    configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds)."""
+    t0 = time.perf_counter()
+    space = cfg.search_space
+    has_grads = any(g is not None for g in gs)
+    metrics = tuple(space.prune_metrics) if has_grads else (
+        ("magnitude",) if "magnitude" in space.prune_metrics else tuple(space.prune_metrics[:1]))
+    cube = Cube.build(space, "embedding" in layer_types, cfg.quant)
+    sizes: dict[str, int] = {}
+    bits: dict[str, int] = {}
+    for i, lt in zip(quant_idx, layer_types):
+        sizes[lt] = sizes.get(lt, 0) + int(np.prod(leaves[i].shape))
+        bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
+    evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn)
+    budget = cfg.epsilon if eval_fn is not None else cfg.proxy_budget
+    outcome = search(evaluator, cube, metrics, budget, cfg.search_batch,
+                     lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits), previous,
+                     cfg.metric_switch_margin)
+    record = {
+        "mode": outcome.mode,
+        "quality": ("eval_fn, " + ("higher is better" if cfg.higher_is_better else "lower is better"))
+        if eval_fn is not None else "data-free proxy: sensitivity-weighted relative reconstruction error",
+        "budget": budget,
+        "baseline": evaluator.baseline,
+        "degradation": outcome.degradation,
+        "chosen": LOSSLESS if outcome.quant is None else dataclasses.asdict(outcome.quant),
+        "candidates": outcome.evaluations,
+        "rounds": outcome.rounds,
+        "eval_fn_calls": evaluator.eval_calls,
+        "prune_metrics": list(metrics),
+        "seconds": time.perf_counter() - t0,
+    }
+    return outcome, record

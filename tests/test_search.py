@@ -1,0 +1,270 @@
+"""The configuration search: its logic on synthetic monotone quality functions, and through the handler on a
+real model (digits CNN) with a real eval_fn."""
+
+import dataclasses
+import itertools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from hypothesis import given, strategies as st
+
+import inshrink_jax as ij
+from inshrink_jax import quantize, search
+from inshrink_jax.config import QuantConfig, SearchSpace
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import digits  # noqa: E402
+
+EPS = 0.05
+CUBE = search.Cube.build(SearchSpace(), False, QuantConfig())
+POINTS = list(itertools.product(*[range(len(v)) for v in CUBE.values]))
+SIZES, BITS = {"dense": 100_000, "conv": 20_000}, {"dense": 32, "conv": 32}
+
+
+def estimate(p):
+    return search.estimated_ratio(CUBE.config(p, "magnitude"), SIZES, BITS)
+
+
+def linear_quality(weights, threshold, offsets=None):
+    """A monotone synthetic degradation: feasible (0) when the weighted index sum reaches the threshold
+    (per-metric offsets shift it), else 1. Records every evaluated configuration."""
+    calls = []
+
+    def evaluate(quants):
+        calls.append(list(quants))
+        out = []
+        for q in quants:
+            s = sum(w * i for w, i in zip(weights, CUBE.point(q))) + (offsets or {}).get(q.prune_metric, 0.0)
+            out.append((0.0 if s >= threshold else 1.0, q))
+        return out
+
+    return evaluate, calls
+
+
+def brute_force_best(evaluate, metric="magnitude"):
+    feasible = [p for p in POINTS if evaluate([CUBE.config(p, metric)])[0][0] <= EPS]
+    return max((estimate(p) for p in feasible), default=None)
+
+
+def test_estimated_ratio_decreases_with_more_bins_and_more_protection():
+    for p in POINTS:
+        for axis in (0, 2):
+            if p[axis] < CUBE.top[axis]:
+                q = tuple(i + (j == axis) for j, i in enumerate(p))
+                assert estimate(q) < estimate(p)
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), st.floats(0.0, 1.0), st.sampled_from([1, 2, 4]))
+def test_exhaustive_search_finds_the_best_feasible_configuration(weights, frac, batch):
+    threshold = frac * sum(w * (len(v) - 1) for w, v in zip(weights, CUBE.values))
+    evaluate, calls = linear_quality(weights, threshold)
+    out = search.search(evaluate, CUBE, ["magnitude"], EPS, batch, estimate, None)
+    assert out.mode == "exhaustive"
+    check, _ = linear_quality(weights, threshold)
+    best = brute_force_best(check)
+    if best is None:
+        assert out.quant is None
+    else:
+        assert out.quant is not None and out.degradation <= EPS
+        assert estimate(CUBE.point(out.quant)) == pytest.approx(best)
+        assert out.payload == out.quant  # the chosen candidate's payload comes back with it
+    evaluated = [q for c in calls for q in c]
+    assert len(evaluated) == len(set(evaluated)) == out.evaluations  # nothing evaluated twice
+    assert out.evaluations < len(POINTS) // 2
+    assert all(len(c) <= batch for c in calls) and out.rounds == len(calls)
+
+
+def test_exhaustive_search_runs_once_per_prune_metric_and_keeps_the_better():
+    # The sensitivity metric reaches feasibility two index steps earlier: it must win.
+    evaluate, calls = linear_quality((1.0, 1.0, 1.0), 8.0, offsets={"sensitivity": 2.0})
+    out = search.search(evaluate, CUBE, ["magnitude", "sensitivity"], EPS, 4, estimate, None)
+    assert {q.prune_metric for c in calls for q in c} == {"magnitude", "sensitivity"}
+    assert out.quant.prune_metric == "sensitivity"
+    check, _ = linear_quality((1.0, 1.0, 1.0), 6.0)
+    assert estimate(CUBE.point(out.quant)) == pytest.approx(brute_force_best(check))
+
+
+@given(st.sampled_from(POINTS), st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), st.floats(0.0, 1.0))
+def test_later_saves_never_become_more_aggressive(prev, weights, frac):
+    threshold = frac * sum(w * (len(v) - 1) for w, v in zip(weights, CUBE.values))
+    evaluate, calls = linear_quality(weights, threshold)
+    out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, CUBE.config(prev, "magnitude"))
+    assert out.mode in ("neighbourhood", "fallback")
+    if out.quant is not None:
+        assert all(a >= b for a, b in zip(CUBE.point(out.quant), prev))
+        assert out.degradation <= EPS
+    evaluated = [CUBE.point(q) for c in calls for q in c]
+    assert all(all(a >= b for a, b in zip(p, prev)) for p in evaluated)
+    if out.mode == "neighbourhood":
+        assert out.evaluations <= 1 + len(prev)
+
+
+def test_previous_configuration_that_still_holds_is_kept_with_one_round():
+    evaluate, calls = linear_quality((1.0, 1.0, 1.0), 3.0)
+    prev = CUBE.config((1, 1, 1), "magnitude")
+    out = search.search(evaluate, CUBE, ["magnitude", "sensitivity"], EPS, 4, estimate, prev)
+    assert (out.quant, out.mode, out.evaluations, out.rounds) == (prev, "neighbourhood", 2, 1)
+
+
+def test_previous_configuration_switches_metric_when_the_other_is_clearly_better():
+    def evaluate(quants):
+        return [(0.04 if q.prune_metric == "magnitude" else 0.0, None) for q in quants]
+
+    prev = CUBE.config((2, 2, 1), "magnitude")
+    out = search.search(evaluate, CUBE, ["magnitude", "sensitivity"], EPS, 4, estimate, prev, switch_margin=0.2)
+    assert out.quant == dataclasses.replace(prev, prune_metric="sensitivity")
+    out = search.search(evaluate, CUBE, ["magnitude", "sensitivity"], EPS, 4, estimate, prev, switch_margin=0.9)
+    assert out.quant == prev  # 0.04 is not lower by more than 0.9 * epsilon: keep the metric
+
+
+def test_one_step_neighbour_when_the_previous_no_longer_holds():
+    evaluate, _ = linear_quality((1.0, 0.0, 0.0), 3.0)  # needs bins index >= 3
+    out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, CUBE.config((2, 4, 0), "magnitude"))
+    assert out.mode == "neighbourhood"
+    assert CUBE.point(out.quant) == (3, 4, 0)
+
+
+def test_fallback_to_exhaustive_search_when_no_neighbour_is_feasible():
+    evaluate, calls = linear_quality((1.0, 0.0, 0.0), 4.0)  # needs bins index >= 4: two steps away
+    out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, CUBE.config((2, 1, 1), "magnitude"))
+    assert out.mode == "fallback"
+    assert CUBE.point(out.quant) == (4, 1, 1)  # the best that is not more aggressive than the previous
+
+
+def test_nothing_feasible_is_lossless_and_stays_lossless():
+    evaluate, _ = linear_quality((1.0, 1.0, 1.0), 100.0)
+    out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, None)
+    assert out.quant is None and out.mode == "exhaustive"
+    out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, search.LOSSLESS)
+    assert (out.quant, out.mode, out.evaluations) == (None, "lossless", 0)
+
+
+def test_cube_maps_a_configuration_outside_the_space_to_one_not_more_aggressive():
+    assert CUBE.point(QuantConfig(bins=10, prune_fraction=0.25, protect_fraction=0.002)) == (3, 3, 1)
+    assert CUBE.point(QuantConfig(bins=64, prune_fraction=0.0, protect_fraction=0.5)) == CUBE.top
+
+
+def test_dequantize_on_device_is_what_a_restore_decodes():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((96, 80)).astype(np.float32) * 0.05)
+    x = x.at[3, 4].set(jnp.nan)
+    cfg = ij.CompressionConfig()
+    for q in (QuantConfig(bins=4, prune_fraction=0.3), QuantConfig(bins=32, protect_fraction=0.01)):
+        (dev,) = quantize.encode_on_device([x], [None], ["dense"], q, cfg)
+        on_device = np.asarray(dev.dequantize(x.dtype))
+        decoded = np.asarray(quantize.decode(quantize.to_host(dev.codes, dev.centres, dev.protected_in_place,
+                                                              dev.bins, x.dtype)))
+        np.testing.assert_array_equal(on_device, decoded)
+
+
+def test_proxy_is_zero_for_exact_values_and_weights_by_gradient():
+    x = [jnp.ones((4, 4)), jnp.full((4, 4), 2.0)]
+    assert float(search.proxy_degradation(x, x, [None, None])) == 0.0
+    d = [jnp.zeros((4, 4)), x[1]]
+    assert float(search.proxy_degradation(x, d, [None, None])) == pytest.approx(16 / (16 + 64))
+    assert float(search.proxy_degradation(x, d, [jnp.zeros((4, 4)), jnp.ones((4, 4))])) == 0.0
+
+
+# ------------------------------------------------------------------------------------- through the handler
+@pytest.fixture(scope="module")
+def run():
+    tx, ty, vx, vy = digits.load()
+    state = digits.create_state(0)
+    return state, digits.batches(tx, ty, 64, 0), (jnp.asarray(vx), jnp.asarray(vy))
+
+
+def eval_loss(val):
+    vx, vy = val
+    return jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, vx, vy))
+
+
+def manager(path, **cfg):
+    return ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(**cfg)))
+
+
+def axes(q):
+    return (q["bins"], -q["prune_fraction"], q["protect_fraction"])
+
+
+def test_search_meets_epsilon_tightens_monotonically_and_resumes_after_a_restart(tmp_path, run):
+    state, stream, val = run
+    eval_fn = eval_loss(val)
+    mngr = manager(tmp_path)
+    records = []
+    for step in range(4):
+        for _ in range(15):
+            state, _, grads = digits.train_step(state, *next(stream))
+        mngr.save(step, args=ij.InshrinkSave(state, grads=grads, eval_fn=eval_fn))
+        mngr.wait_until_finished()
+        records.append(mngr.item_metadata(step)["search"])
+    assert records[0]["mode"] == "exhaustive"
+    assert all(r["mode"] in ("neighbourhood", "fallback") for r in records[1:])
+    for r in records:
+        assert r["degradation"] <= 0.05 and r["eval_fn_calls"] == r["candidates"] + 1
+        assert r["quality"].startswith("eval_fn") and r["prune_metrics"] == ["magnitude", "sensitivity"]
+    for a, b in zip(records, records[1:]):
+        assert all(y >= x for x, y in zip(axes(a["chosen"]), axes(b["chosen"])))
+    # The recorded degradation is what the restored parameters give.
+    restored = mngr.restore(3, args=ij.InshrinkRestore(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        state)))
+    q0, q = float(eval_fn(state)), float(eval_fn(restored))
+    assert (q - q0) / abs(q0) == pytest.approx(records[3]["degradation"], abs=1e-6)
+    # A restarted job (new handler) that restores goes on from the checkpoint's configuration.
+    mngr2 = manager(tmp_path)
+    mngr2.restore(3)
+    mngr2.save(4, args=ij.InshrinkSave(state, grads=grads, eval_fn=eval_fn))
+    mngr2.wait_until_finished()
+    r = mngr2.item_metadata(4)["search"]
+    assert r["mode"] in ("neighbourhood", "fallback")
+    assert all(y >= x for x, y in zip(axes(records[3]["chosen"]), axes(r["chosen"])))
+
+
+def test_without_eval_fn_or_grads_the_fallbacks_are_reported(tmp_path, run):
+    state = run[0]
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(state))
+    mngr.wait_until_finished()
+    fig = mngr.item_metadata(0)
+    assert fig["search"]["quality"].startswith("data-free proxy")
+    assert fig["search"]["degradation"] <= ij.CompressionConfig().proxy_budget
+    assert fig["search"]["eval_fn_calls"] == 0 and fig["search"]["prune_metrics"] == ["magnitude"]
+    assert fig["sensitivity"] == "magnitude (no grads given)"
+
+
+def test_epsilon_zero_never_accepts_a_degradation(tmp_path, run):
+    state = run[0]
+    ref = jax.tree.map(np.asarray, state.params)
+
+    def distance(s):  # any change of any parameter is a degradation
+        return 1.0 + sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(s.params), jax.tree.leaves(ref)))
+
+    mngr = manager(tmp_path, epsilon=0.0)
+    with pytest.warns(UserWarning, match="no quantization configuration meets epsilon=0.0"):
+        mngr.save(0, args=ij.InshrinkSave(state, eval_fn=distance))
+    for step in (0, 1):
+        if step:
+            mngr.save(step, args=ij.InshrinkSave(state, eval_fn=distance))
+        mngr.wait_until_finished()
+        fig = mngr.item_metadata(step)
+        assert fig["search"]["chosen"] == "lossless" and fig["quant"] is None
+    assert fig["search"]["mode"] == "lossless" and fig["search"]["eval_fn_calls"] == 0
+    restored = mngr.restore(1)
+    for a, b in zip(jax.tree.leaves(restored["params"]), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_eval_fn_with_the_search_off_is_an_error(tmp_path):
+    mngr = manager(tmp_path, search=False)
+    with pytest.raises(ValueError, match="search=False"):
+        mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: 0.0))
+
+
+def test_eval_fn_must_return_a_scalar(tmp_path):
+    mngr = manager(tmp_path)
+    with pytest.raises(ValueError, match="one scalar"):
+        mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: jnp.ones(3)))
