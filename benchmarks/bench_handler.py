@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_handler.py [--big-params 5e7] [--out benchmarks/r
 
 States: the digits CNN TrainState (adam) after 200 steps on real data, and a params-only state of --big-params
 float32 parameters (Student-t weights, 4096-wide matrices). inshrink_jax runs with 16 bins, protect 0.5%, no
-pruning, no delta (one keyframe). Each timing is the best of --repeats saves to fresh directories after one
+pruning, no delta (one keyframe), no configuration search. Each timing is the best of --repeats saves to fresh directories after one
 warm-up save (compilation excluded).
 """
 
@@ -29,6 +29,9 @@ import inshrink_jax as ij  # noqa: E402
 import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
+FIXED = ij.CompressionConfig(search=False)  # the pipeline's own cost; bench_search.py measures the search
+
+
 def dir_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
@@ -45,7 +48,7 @@ def measure(kind, state, tmp, repeats):
             mngr = ocp.CheckpointManager(path)
             save_args, restore_args = ocp.args.StandardSave(state), ocp.args.StandardRestore(abstract)
         else:
-            mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler())
+            mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(FIXED))
             save_args, restore_args = ij.InshrinkSave(state), ij.InshrinkRestore(abstract)
         t0 = time.perf_counter()
         mngr.save(0, args=save_args)
@@ -65,7 +68,7 @@ def measure(kind, state, tmp, repeats):
 def params_only_bytes(kind, params, tmp):
     path = os.path.join(tmp, f"p_{kind}")
     mngr = (ocp.CheckpointManager(path) if kind == "orbax"
-            else ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler()))
+            else ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(FIXED)))
     mngr.save(0, args=ocp.args.StandardSave(params) if kind == "orbax" else ij.InshrinkSave(params))
     mngr.wait_until_finished()
     size = dir_bytes(path)
@@ -77,7 +80,7 @@ def chain_restore(state, tmp, depth, repeats):
     """Restore seconds of a keyframe and of the step `depth` deltas after it (keyframe_every = depth + 1), on
     states that drift like training weights between checkpoints."""
     path = os.path.join(tmp, "chain")
-    cfg = ij.CompressionConfig(keyframe_every=depth + 1)
+    cfg = ij.CompressionConfig(keyframe_every=depth + 1, search=False)
     mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(cfg))
     key = jax.random.PRNGKey(0)
     for step in range(depth + 1):

@@ -2,20 +2,23 @@
 
     handler = inshrink_jax.InshrinkCheckpointHandler(inshrink_jax.CompressionConfig())
     mngr = orbax.checkpoint.CheckpointManager(path, item_handlers=handler)
-    mngr.save(step, args=inshrink_jax.InshrinkSave(state, grads=grad_ema))
+    mngr.save(step, args=inshrink_jax.InshrinkSave(state, grads=grad_ema, eval_fn=eval_fn))
     state = mngr.restore(step, args=inshrink_jax.InshrinkRestore(abstract_state))
 """
 
-from inshrink_jax.config import CompressionConfig, QuantConfig
+from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
 from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave
+from inshrink_jax.sensitivity import GradientEMA
 from inshrink_jax.store import CheckpointCorruptError
 
 __all__ = [
     "CheckpointCorruptError",
     "CompressionConfig",
+    "GradientEMA",
     "InshrinkCheckpointHandler",
     "InshrinkRestore",
     "InshrinkSave",
     "QuantConfig",
+    "SearchSpace",
 ]
 __version__ = "0.1.0"
