@@ -4,7 +4,9 @@
                                                   kind/shape/dtype/centres, and the id of the step's object
     <root>/<step>/<item>/commit.json              primary host, in `finalize`: every object the step needs (its
                                                   own and all its delta bases) with the CRC32 of their records
-    <root>/inshrink_objects/<item>/<id>/blob.<p>          process p: its shards' compressed segments
+    <root>/inshrink_objects/<item>/<id>/blob.<p>          process p: its shards' code streams (the chain part)
+    <root>/inshrink_objects/<item>/<id>/data.<p>          process p: every other segment (protected values,
+                                                  lossless leaves): only the object's own step reads them
     <root>/inshrink_objects/<item>/<id>/index.<p>.json    process p: offset table (leaf, box, segments, CRC32s)
     <root>/inshrink_objects/<item>/<id>/commit.json       primary host, in `finalize`: sizes and CRC32s of every
                                                   blob and index, the objects this one's deltas build on
@@ -13,7 +15,9 @@ Why an object store (DESIGN.md section 4, design (a)): a delta needs its bases. 
 by its own rules (`max_to_keep`, `keep_period`, `best_fn`, preservation policies, `mngr.delete`, a user's `rm`);
 none of them can take a base away from a listed step, because a step directory holds only references. The
 primary host deletes an object only when no committed step references it (`collect_garbage`, run in
-`finalize`), so the data of steps Orbax deleted disappears at the next save.
+`finalize`), so the data of steps Orbax deleted disappears at the next save. An object that later deltas still
+need but whose own step is gone keeps only its code streams: its `data.<p>` files go (a chain of deltas would
+otherwise keep every lossless optimizer state along it).
 
 Nothing here executes code from the files (JSON only, no pickle). Every read is checked: a missing file, a
 wrong size or a CRC mismatch raises `CheckpointCorruptError` naming the step, the item and the leaf.
@@ -32,7 +36,7 @@ import numpy as np
 from inshrink_jax import codec, delta
 
 FORMAT = "inshrink_jax"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 OBJECTS = "inshrink_objects"
@@ -68,8 +72,12 @@ def crc32(data: bytes) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def blob_name(process: int) -> str:
-    return f"blob.{process}"
+CODES_FILE, DATA_FILE = "blob", "data"
+
+
+def blob_name(process: int, file: str = CODES_FILE) -> str:
+    """`blob.<p>` (code streams, needed by later deltas) or `data.<p>` (everything else)."""
+    return f"{file}.{process}"
 
 
 def index_name(process: int) -> str:
@@ -129,37 +137,41 @@ def new_object_id(root: str, item: str, step: str) -> str:
 
 
 class BlobWriter:
-    """Accumulates this process's segments of one object; `close` writes blob.<p> and index.<p>.json."""
+    """Accumulates this process's segments of one object; `close` writes blob.<p> (code streams), data.<p>
+    (every other segment) and index.<p>.json."""
 
     def __init__(self, object_path: str, process: int):
         self.path = object_path
         self.process = process
         self.entries: list[dict] = []
-        self._parts: list[bytes] = []
-        self._offset = 0
+        self._parts: dict[str, list[bytes]] = {CODES_FILE: [], DATA_FILE: []}
+        self._offset = {CODES_FILE: 0, DATA_FILE: 0}
 
     def add(self, leaf: str, box: list[list[int]], segments: dict[str, tuple[bytes, str, dict]]) -> None:
-        """One shard of one leaf (by key path): segments name -> (compressed bytes, codec id, extra fields)."""
+        """One shard of one leaf (by key path): segments name -> (compressed bytes, codec id, extra fields).
+        The segment named "codes" goes to the code-stream file, the others to the data file."""
         entry = {"leaf": leaf, "box": box, "segments": {}}
         for name, (data, codec_id, extra) in segments.items():
-            entry["segments"][name] = {"offset": self._offset, "length": len(data), "crc32": crc32(data),
-                                       "codec": codec_id, **extra}
-            self._parts.append(data)
-            self._offset += len(data)
+            file = CODES_FILE if name == "codes" else DATA_FILE
+            entry["segments"][name] = {"file": file, "offset": self._offset[file], "length": len(data),
+                                       "crc32": crc32(data), "codec": codec_id, **extra}
+            self._parts[file].append(data)
+            self._offset[file] += len(data)
         self.entries.append(entry)
 
     @property
     def nbytes(self) -> int:
-        return self._offset
+        return sum(self._offset.values())
 
     def close(self, figures: dict) -> None:
         os.makedirs(self.path, exist_ok=True)
-        with open(os.path.join(self.path, blob_name(self.process)), "wb") as f:
-            for part in self._parts:
-                f.write(part)
+        for file, parts in self._parts.items():
+            with open(os.path.join(self.path, blob_name(self.process, file)), "wb") as f:
+                for part in parts:
+                    f.write(part)
         write_json(os.path.join(self.path, index_name(self.process)),
-                   {"process": self.process, "blob_bytes": self._offset, "entries": self.entries,
-                    "figures": figures})
+                   {"process": self.process, "blob_bytes": self._offset[CODES_FILE],
+                    "data_bytes": self._offset[DATA_FILE], "entries": self.entries, "figures": figures})
 
 
 def finalize(directory, object_id: str, process_count: int) -> dict:
@@ -176,12 +188,13 @@ def finalize(directory, object_id: str, process_count: int) -> dict:
     bases = set()
     for p in range(process_count):
         index, raw = read_json(os.path.join(path, index_name(p)), "offset table", directory)
-        blob = os.path.join(path, blob_name(p))
-        if not os.path.exists(blob) or os.path.getsize(blob) != index["blob_bytes"]:
-            raise CheckpointCorruptError(f"{describe(directory)}: blob of process {p} in {path} is missing or has "
-                                         "the wrong size; the save did not complete")
+        for file, key in ((CODES_FILE, "blob_bytes"), (DATA_FILE, "data_bytes")):
+            blob = os.path.join(path, blob_name(p, file))
+            if not os.path.exists(blob) or os.path.getsize(blob) != index[key]:
+                raise CheckpointCorruptError(f"{describe(directory)}: {blob_name(p, file)} of process {p} in {path} "
+                                             "is missing or has the wrong size; the save did not complete")
         record["processes"].append({"index_crc32": crc32(raw), "blob_bytes": index["blob_bytes"],
-                                    "figures": index["figures"]})
+                                    "data_bytes": index["data_bytes"], "figures": index["figures"]})
         bases.update(s["base"] for e in index["entries"] for s in e["segments"].values() if "base" in s)
     closure: dict[str, int] = {}
     for b in sorted(bases):
@@ -197,10 +210,12 @@ def finalize(directory, object_id: str, process_count: int) -> dict:
     return record
 
 
-def referenced_objects(root: str, item: str, current=None) -> set[str] | None:
-    """Objects referenced by the committed steps under `root` (and the step being finalized at `current`).
-    None if some step's records cannot be read: then nothing may be deleted."""
+def referenced_objects(root: str, item: str, current=None) -> tuple[set[str], set[str]] | None:
+    """(objects referenced by the committed steps under `root` and the step being finalized at `current`, the
+    subset that is some such step's own object). None if some step's records cannot be read: then nothing may
+    be deleted."""
     refs: set[str] = set()
+    own: set[str] = set()
     dirs = [os.path.join(root, d, item) for d in os.listdir(root) if TMP_SUFFIX not in d and d != OBJECTS]
     for d in dirs + ([os.fspath(current)] if current is not None else []):
         if not os.path.isdir(d):
@@ -212,14 +227,17 @@ def referenced_objects(root: str, item: str, current=None) -> set[str] | None:
                 return None  # a step we cannot read: keep everything rather than guess
             continue
         refs.update(commit["objects"])
-    return refs
+        own.add(commit["object"])
+    return refs, own
 
 
 def collect_garbage(root: str, item: str, current=None) -> list[str]:
-    """Delete the objects no committed step references (primary host only). Returns the ids deleted."""
-    refs = referenced_objects(root, item, current)
-    if refs is None:
+    """Delete the objects no committed step references, and the data files of objects only later deltas
+    reference (primary host only). Returns the ids of the objects deleted."""
+    found = referenced_objects(root, item, current)
+    if found is None:
         return []
+    refs, own = found
     try:
         names = os.listdir(objects_dir(root, item))
     except FileNotFoundError:
@@ -227,6 +245,11 @@ def collect_garbage(root: str, item: str, current=None) -> list[str]:
     gone = sorted(n for n in names if n not in refs)
     for n in gone:
         shutil.rmtree(os.path.join(objects_dir(root, item), n), ignore_errors=True)
+    for n in sorted(refs - own):  # a delta base whose own step is gone: its code streams are all that is read
+        path = os.path.join(objects_dir(root, item), n)
+        for f in os.listdir(path) if os.path.isdir(path) else []:
+            if f.startswith(DATA_FILE + "."):
+                os.remove(os.path.join(path, f))
     return gone
 
 
@@ -255,27 +278,29 @@ class _Object:
                                              f"{object_id} does not match its checksum in the commit record")
             for entry in index["entries"]:
                 self.entries[(entry["leaf"], box_key(entry["box"]))] = (p, entry)
-        self._blobs: dict[int, Any] = {}
+        self._blobs: dict[tuple, Any] = {}
 
-    def _blob(self, p: int):
-        if p not in self._blobs:
-            path = os.path.join(self.path, blob_name(p))
+    def _blob(self, p: int, file: str):
+        if (p, file) not in self._blobs:
+            path = os.path.join(self.path, blob_name(p, file))
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: {path} is missing") from None
-            expect = self.commit["processes"][p]["blob_bytes"]
+            expect = self.commit["processes"][p]["blob_bytes" if file == CODES_FILE else "data_bytes"]
             if size != expect:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: {path} has {size} bytes, expected "
                                              f"{expect} (truncated?)")
-            self._blobs[p] = np.memmap(path, np.uint8, "r") if size else b""
-        return self._blobs[p]
+            self._blobs[(p, file)] = np.memmap(path, np.uint8, "r") if size else b""
+        return self._blobs[(p, file)]
 
     def segment(self, leaf: str, p: int, seg: dict, name: str) -> bytes:
-        data = bytes(self._blob(p)[seg["offset"]: seg["offset"] + seg["length"]])
+        file = seg.get("file", CODES_FILE)  # format version 2 kept every segment in blob.<p>
+        data = bytes(self._blob(p, file)[seg["offset"]: seg["offset"] + seg["length"]])
         if len(data) != seg["length"] or crc32(data) != seg["crc32"]:
             raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} in "
-                                         f"{self.path}/{blob_name(p)} does not match its checksum (corrupted file)")
+                                         f"{self.path}/{blob_name(p, file)} does not match its checksum "
+                                         "(corrupted file)")
         return data
 
 

@@ -40,7 +40,8 @@ def test_rearranged_stream_is_grouped_by_previous_code():
 
 # ----------------------------------------------------------------------------------------------- helpers
 def make_manager(root, keyframe_every=10, **opts):
-    h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=keyframe_every))
+    # A fixed configuration: these tests are about chains (test_search.py saves chains with the search on).
+    h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=keyframe_every, search=False))
     return ocp.CheckpointManager(root, item_handlers=h, options=ocp.CheckpointManagerOptions(**opts))
 
 
@@ -185,6 +186,27 @@ def test_objects_of_deleted_steps_are_collected(tmp_path):
     assert mngr.all_steps() == [5]
     left = sorted(os.listdir(tmp_path / store.OBJECTS / "default"))
     assert left == ["4.0", "5.0"], left  # 5 is a delta on 4: both kept, nothing else
+
+
+def test_a_base_whose_step_is_gone_keeps_only_its_code_streams(tmp_path):
+    mngr = make_manager(tmp_path, keyframe_every=10, max_to_keep=1)
+    states = list(train_like(7, 5))
+    for step, state in enumerate(states):
+        mngr.save(step, args=ij.InshrinkSave(state))
+        mngr.wait_until_finished()
+    mngr.save(5, args=ij.InshrinkSave(states[-1]))  # collects what the deletion of step 4 left
+    mngr.wait_until_finished()
+    objects = tmp_path / store.OBJECTS / "default"
+    files = {o: sorted(os.listdir(objects / o)) for o in sorted(os.listdir(objects))}
+    assert sorted(files) == ["0.0", "1.0", "2.0", "3.0", "4.0", "5.0"]  # one chain: every object is a base
+    for o, names in files.items():  # step 4 is dropped after step 5 commits: its data goes at the next save
+        assert "blob.0" in names and (("data.0" in names) == (o in ("4.0", "5.0"))), (o, names)
+    restored = mngr.restore(5)
+    np.testing.assert_array_equal(np.asarray(restored["opt_state"]["mu"]), np.asarray(states[-1]["opt_state"]["mu"]))
+    # The lossless leaves of the dropped steps are gone: the chain keeps code streams only.
+    data_bytes = os.path.getsize(objects / "5.0" / "data.0")
+    chain_bytes = sum(os.path.getsize(objects / o / "blob.0") for o in files if o != "5.0")
+    assert chain_bytes < data_bytes
 
 
 # ----------------------------------------------------------------------------------------------- retention
