@@ -268,3 +268,17 @@ def test_eval_fn_must_return_a_scalar(tmp_path):
     mngr = manager(tmp_path)
     with pytest.raises(ValueError, match="one scalar"):
         mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: jnp.ones(3)))
+
+
+def test_embedding_bins_are_their_own_axis_only_when_there_are_embeddings():
+    with_emb = search.Cube.build(SearchSpace(), True, QuantConfig())
+    assert with_emb.names == ("bins", "prune_fraction", "protect_fraction", "embedding_bins")
+    assert {with_emb.config(p, "magnitude").embedding_bins for p in [(0, 0, 0, 0), (0, 0, 0, 1)]} == {16, 32}
+    assert "embedding_bins" not in CUBE.names and CUBE.base.embedding_bins == 32
+    sizes, bits = {"dense": 1000, "embedding": 5000}, {"dense": 32, "embedding": 32}
+    est = lambda p: search.estimated_ratio(with_emb.config(p, "magnitude"), sizes, bits)  # noqa: E731
+    evaluate = lambda qs: [(0.0 if q.embedding_bins == 32 else 1.0, None) for q in qs]  # noqa: E731
+    out = search.search(evaluate, with_emb, ["magnitude"], EPS, 4, est, None)
+    points = itertools.product(*[range(len(v)) for v in with_emb.values])
+    best = max(est(p) for p in points if with_emb.config(p, "magnitude").embedding_bins == 32)
+    assert out.quant.embedding_bins == 32 and est(with_emb.point(out.quant)) == pytest.approx(best)
