@@ -1,7 +1,9 @@
 """The Orbax adapter: `InshrinkCheckpointHandler` with its `InshrinkSave` / `InshrinkRestore` args.
 
-Thin by design: `async_save` dispatches the jitted encoder (quantize.py), starts the device-to-host copies
-and returns without waiting; the commit future takes the codes to the host, turns them into deltas against
+Thin by design: `async_save` picks the configuration (search.py: candidates encoded and scored on the device,
+eval_fn called on the caller's thread; or the fixed `CompressionConfig.quant`), dispatches the jitted encoder
+(quantize.py; the search's chosen candidate is reused), starts the device-to-host copies and returns without
+waiting; the commit future takes the codes to the host, turns them into deltas against
 the previous save's codes (delta.py), entropy-codes (codec.py) and writes one object per save (store.py);
 `finalize` commits it and collects unreferenced objects; `restore` reads, checks, walks delta chains and
 decodes. See DESIGN.md sections 1-4, docs/how-it-works.md and docs/format.md.
