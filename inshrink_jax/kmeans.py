@@ -9,8 +9,8 @@ iterations. Centres come out sorted ascending, so the codes built on them are or
 
 The number of centres `k` may be a traced value below a static `capacity`: the arrays hold `capacity` slots
 and the unused ones sit at +inf, where no point is ever assigned. One compiled kernel then serves every bin
-count the configuration search tries (XLA compiles the encoder in seconds per layer group on CPU; the
-comparison count of `assign` is memory-bound and costs the same for 8 or 32 slots, benchmarks/results/stages.md).
+count the configuration search tries (XLA compiles the encoder in seconds per layer group on CPU; `assign`'s
+comparisons are memory-bound, so the unused slots cost little).
 """
 
 from __future__ import annotations
