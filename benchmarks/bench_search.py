@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -220,7 +219,7 @@ def main(argv=None):
         acc_n, ok_n = c["accepted"](cfg.proxy_budget)
         lines.append(f"| {s} | {c['feasible']} of {c['n']} | {c['safe']:.4g} | {acc_n} ({ok_n}) |")
     lines += ["", "## What the ranking estimate rests on", "",
-              f"The final state's compressed leaves as one keyframe (protect 0.05%, magnitude): the order-0 entropy "
+              "The final state's compressed leaves as one keyframe (protect 0.05%, magnitude): the order-0 entropy "
               "ratio of the codes plus 16-bit protected values, and `search.estimated_ratio`. Pruning does not "
               "always pay in entropy, which is why the search does not assume it does.", "",
               "| bins | prune | H0 ratio | estimated ratio |", "|---:|---:|---:|---:|"]

@@ -31,7 +31,6 @@ dequantize on device, then `eval_fn` or the data-free proxy).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import math
 import time
