@@ -13,6 +13,7 @@ import re
 PRUNE_METRICS = ("magnitude", "sensitivity")
 LAYER_TYPES = ("conv", "attention", "dense", "embedding", "other")
 PROTECTED_DTYPES = ("bfloat16", "float32")
+POLICIES = ("lossless", "quantize", "drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ class SearchSpace:
 
 @dataclasses.dataclass(frozen=True)
 class CompressionConfig:
-    """Every parameter of the method (ALGORITHM.md), with the paper's values as defaults.
+    r"""Every parameter of the method (ALGORITHM.md), with the paper's values as defaults.
 
     Attributes:
       epsilon: quality budget: largest accepted relative degradation of the eval metric.
@@ -116,6 +117,18 @@ class CompressionConfig:
       metric_switch_margin: at a later save, the previous configuration switches its prune metric when the
         other metric's degradation is lower by more than this fraction of `epsilon`.
       quant: the configuration used when `search` is False.
+      optimizer: policy for the optimizer's moments (optax `mu`, `nu`, `nu_max`, sgd momentum `trace`):
+        "quantize" (sign kept, log-domain levels, `moment_bins` per sign, exact zeros kept; the first moment of
+        a pruned weight is pruned with it), "lossless" (bit-exact) or "drop" (not stored; restored as zeros).
+        An optax step counter `count` beside a dropped `nu` is dropped with it (restored as 0), so Adam's bias
+        correction restarts with its moments; docs/how-it-works.md says which policy the fault-tolerance
+        benchmark supports as the default.
+      moment_bins: log-magnitude levels per sign of a quantized moment (in [2, 127]).
+      policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
+        before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
+        everything else: "lossless"); e.g. ((r"\.nu\b", "quantize"), (r"\.mu\b", "drop")) or
+        ((r"head", "lossless"),). "quantize" leaves that cannot be quantized (integers, < 2 dimensions, fewer
+        than `min_compress_size` elements) are stored losslessly.
     """
 
     epsilon: float = 0.05
@@ -136,6 +149,9 @@ class CompressionConfig:
     proxy_budget: float = 0.01
     metric_switch_margin: float = 0.2
     quant: QuantConfig = QuantConfig()
+    optimizer: str = "quantize"
+    moment_bins: int = 16
+    policy_rules: tuple[tuple[str, str], ...] = ()
 
     @property
     def bins_capacity(self) -> int:
@@ -162,6 +178,15 @@ class CompressionConfig:
             raise ValueError(
                 f"CompressionConfig.protected_dtype must be one of {PROTECTED_DTYPES}, got {self.protected_dtype!r}"
             )
+        if self.optimizer not in POLICIES:
+            raise ValueError(f"CompressionConfig.optimizer must be one of {POLICIES}, got {self.optimizer!r}")
+        if not isinstance(self.moment_bins, int) or not 2 <= self.moment_bins <= 127:
+            raise ValueError(f"CompressionConfig.moment_bins must be an int in [2, 127] (two signs share uint8 "
+                             f"codes), got {self.moment_bins!r}")
+        for rule in self.policy_rules:
+            if len(rule) != 2 or rule[1] not in POLICIES:
+                raise ValueError(f"policy_rules entries are (regex, one of {POLICIES}), got {rule!r}")
+            re.compile(rule[0])
         for rule in self.layer_type_rules:
             if len(rule) != 2 or rule[1] not in LAYER_TYPES:
                 raise ValueError(f"layer_type_rules entries are (regex, one of {LAYER_TYPES}), got {rule!r}")

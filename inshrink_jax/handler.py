@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import os
+import re
 import time
 import warnings
 from typing import Any, Callable
@@ -25,7 +26,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 
-from inshrink_jax import codec, delta, quantize, search, store
+from inshrink_jax import codec, delta, moments, quantize, search, store
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 _OPTIMIZER_NAMES = {"opt_state", "optimizer", "mu", "nu", "trace", "momentum"}
@@ -89,37 +90,116 @@ def _is_prng_key(x) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
+def _names(path) -> list:
+    return [getattr(k, "name", None) if isinstance(k, jax.tree_util.GetAttrKey) else getattr(k, "key", None)
+            for k in path]
+
+
+def _moment_role(path) -> str | None:
+    """"first" / "second" for a leaf inside an optimizer moment (optax mu, trace / nu, nu_max), else None."""
+    names = set(_names(path))
+    if names & set(moments.FIRST_MOMENT_NAMES):
+        return "first"
+    return "second" if names & set(moments.SECOND_MOMENT_NAMES) else None
+
+
+def _policy(cfg: CompressionConfig, keystr: str, part: str, path) -> tuple[str, bool]:
+    """(policy, whether a user rule chose it) of an array leaf: `policy_rules` first, then the default rule."""
+    for pattern, policy in cfg.policy_rules:
+        if re.search(pattern, keystr):
+            return policy, True
+    if part == "params":
+        return "quantize", False
+    return (cfg.optimizer if _moment_role(path) is not None else "lossless"), False
+
+
+def _couple_counts(flat: list, leaves_meta: list[dict], explicit: set[int]) -> None:
+    """An optax step counter `count` beside a dropped `nu` is dropped too (restored as 0): Adam's bias
+    correction then restarts with its moments. Refuse the combinations that make Adam's next updates huge."""
+    by_parent: dict = {}
+    for i, (path, _) in enumerate(flat):
+        names = _names(path)
+        for j, name in enumerate(names):
+            if name in ("mu", "nu", "count"):
+                by_parent.setdefault(jax.tree_util.keystr(path[:j]), {}).setdefault(name, []).append(i)
+    for parent, members in by_parent.items():
+        counts = [i for i in members.get("count", []) if leaves_meta[i]["kind"] in ("array", "dropped")]
+        if not counts or "nu" not in members:
+            continue
+        nu_dropped = any(leaves_meta[i]["kind"] == "dropped" for i in members["nu"])
+        for i in counts:
+            if i not in explicit and nu_dropped:
+                leaves_meta[i]["kind"] = "dropped"
+        count_dropped = any(leaves_meta[i]["kind"] == "dropped" for i in counts)
+        kept_mu = [leaves_meta[i]["keystr"] for i in members.get("mu", []) if leaves_meta[i]["kind"] != "dropped"]
+        if nu_dropped and not count_dropped:
+            raise ValueError(f"optimizer state {parent or '<root>'}: nu is dropped but its step counter "
+                             f"{leaves_meta[counts[0]]['keystr']} is kept, so after a restore Adam's bias "
+                             "correction would divide by a second moment that restarts at 0: updates up to ~30x "
+                             "too large. Drop the counter too, or keep nu (policy_rules).")
+        if count_dropped and kept_mu:
+            raise ValueError(f"optimizer state {parent or '<root>'}: the step counter is dropped (reset to 0) "
+                             f"but the first moment {kept_mu[0]} is kept, so Adam's bias correction would "
+                             "multiply it by 1 / (1 - b1) on the next step. Drop mu too, or keep the counter.")
+
+
 def _classify(flat: list, cfg: CompressionConfig) -> tuple[list[dict], list[int]]:
-    """Manifest entry of every leaf (kind, shape, dtype, part, layer type) and the indices of quantized ones."""
-    leaves_meta, quant_idx = [], []
+    """Manifest entry of every leaf (kind, shape, dtype, part, layer type, policy) and the indices of the leaves
+    quantized by the weights' method (the others of kind "quantized" have method "moments")."""
+    leaves_meta, quant_idx, explicit = [], [], set()
     for i, (path, x) in enumerate(flat):
         keystr = jax.tree_util.keystr(path)
         meta = {"path": _path_entries(path), "keystr": keystr}
         if x is None or isinstance(x, (bool, int, float, str)):
             if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 2**63:
                 raise TypeError(f"leaf {keystr}: integer {x} does not fit in 64 bits")
+            if any(re.search(p, keystr) and pol != "lossless" for p, pol in cfg.policy_rules):
+                raise ValueError(f"leaf {keystr} is a Python {type(x).__name__}, stored as is in the manifest; "
+                                 "policy_rules apply to array leaves only. Narrow the rule's pattern.")
             meta.update(kind="scalar", value=x, type=type(x).__name__)
         elif isinstance(x, (jax.Array, np.ndarray, np.generic)):
             dtype = jnp.dtype(x.dtype) if not _is_prng_key(x) else None
-            part = _part(path) if dtype is not None and jnp.issubdtype(dtype, jnp.floating) else "other"
-            quantizable = (isinstance(x, jax.Array) and dtype is not None and dtype.name in _QUANTIZABLE
-                           and x.ndim >= 2 and x.size >= cfg.min_compress_size and part == "params")
+            floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+            part = _part(path) if floating else "other"
+            policy, chosen = _policy(cfg, keystr, part, path)
+            if chosen:
+                explicit.add(i)
+            quantizable = (policy == "quantize" and isinstance(x, jax.Array) and dtype is not None
+                           and dtype.name in _QUANTIZABLE and x.ndim >= 2 and x.size >= cfg.min_compress_size)
             meta.update(shape=list(x.shape), part=part if x.ndim >= 1 else "other",
                         sharding=str(getattr(x, "sharding", "numpy")))
             if _is_prng_key(x):
+                if policy == "drop":
+                    raise ValueError(f"leaf {keystr} is a PRNG key, which cannot be dropped (zeros are not a "
+                                     "fresh key). Narrow the policy_rules pattern.")
                 meta.update(kind="prng_key", impl=str(jax.random.key_impl(x)), dtype="uint32",
                             data_shape=list(jax.random.key_data(x).shape))
-            elif quantizable:
-                meta.update(kind="quantized", dtype=dtype.name,
+            elif policy == "drop":
+                meta.update(kind="dropped", dtype=dtype.name)
+            elif quantizable and part == "params":
+                meta.update(kind="quantized", method="weights", dtype=dtype.name,
                             layer_type=quantize.layer_type(keystr, x.shape, cfg.layer_type_rules))
                 quant_idx.append(i)
+            elif quantizable:
+                meta.update(kind="quantized", method="moments", dtype=dtype.name)
             else:
                 meta.update(kind="array", dtype=dtype.name)
         else:
             raise TypeError(f"leaf {keystr} has unsupported type {type(x).__name__}; inshrink_jax stores "
                             "jax/NumPy arrays, Python scalars, strings and None")
         leaves_meta.append(meta)
+    _couple_counts(flat, leaves_meta, explicit)
     return leaves_meta, quant_idx
+
+
+def _weight_of(moment_path, quantized: dict[str, int], shape) -> int | None:
+    """Index of the weight a moment leaf belongs to: the one quantized leaf whose key path ends with the
+    moment's path after its moment name (optax mirrors the parameter tree under mu/nu/trace), of equal shape."""
+    names = _names(moment_path)
+    j = max(k for k, n in enumerate(names) if n in moments.MOMENT_NAMES)
+    suffix = jax.tree_util.keystr(tuple(moment_path[j + 1:]))
+    hits = [i for k, (i, s) in quantized.items() if k.endswith(suffix) and s == shape] if suffix else []
+    return hits[0] if len(hits) == 1 else None
 
 
 # ------------------------------------------------------------------------------------------------------ args
@@ -189,10 +269,19 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         if quant is None:  # lossless: nothing quantized at this save
             for i in quant_idx:
                 leaves_meta[i]["kind"] = "array"
-                del leaves_meta[i]["layer_type"]
+                del leaves_meta[i]["layer_type"], leaves_meta[i]["method"]
             quant_idx, xs, devs = [], [], []
         elif devs is None:
             devs = quantize.encode_on_device(xs, gs, layer_types, quant, cfg)
+        # Optimizer moments under the "quantize" policy: first moments take their weight's pruning.
+        moment_idx = [i for i, m in enumerate(leaves_meta) if m.get("method") == "moments"]
+        weights = {leaves_meta[i]["keystr"]: (k, tuple(flat[i][1].shape)) for k, i in enumerate(quant_idx)}
+        owners = [_weight_of(flat[i][0], weights, tuple(flat[i][1].shape)) for i in moment_idx]
+        devs = list(devs) + moments.encode_on_device(
+            [flat[i][1] for i in moment_idx],
+            [devs[k].codes if k is not None and _moment_role(flat[i][0]) == "first" else None
+             for i, k in zip(moment_idx, owners)], cfg)
+        quant_idx, xs = quant_idx + moment_idx, xs + [flat[i][1] for i in moment_idx]
         shards: list[tuple[int, list, Any]] = []  # (leaf, box, what to store)
         for i, x, dev in zip(quant_idx, xs, devs):
             dev.start_copy_to_host()
@@ -347,8 +436,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             m = leaves[by_key[k]]
             if "shape" in m and hasattr(t, "shape") and tuple(t.shape) != tuple(m["shape"]):
                 problems.append(f"{k}: saved shape {tuple(m['shape'])}, target {tuple(t.shape)}")
-            elif m["kind"] in ("array", "quantized") and hasattr(t, "dtype") and jnp.dtype(t.dtype) != jnp.dtype(
-                    m["dtype"]):
+            elif (m["kind"] in ("array", "quantized", "dropped") and hasattr(t, "dtype")
+                  and jnp.dtype(t.dtype) != jnp.dtype(m["dtype"])):
                 problems.append(f"{k}: saved dtype {m['dtype']}, target {jnp.dtype(t.dtype).name}")
         if problems:
             raise ValueError(f"{store.describe(directory)}: the restore target does not match the saved "
@@ -478,6 +567,12 @@ def _restore_leaf(reader: store.Reader, meta: dict, target):
     sharding = _target_sharding(target)
     is_numpy_target = isinstance(target, np.ndarray) or (target is None and meta.get("sharding") == "numpy")
     full = [[0, n] for n in shape]
+    if kind == "dropped":  # not stored: re-initialised as zeros (CompressionConfig.optimizer = "drop")
+        dtype = jnp.dtype(meta["dtype"])
+        if is_numpy_target:
+            return np.zeros(shape, dtype)
+        return _make_array(shape, sharding, lambda box, dev: jax.device_put(
+            np.zeros([b[1] - b[0] for b in box], dtype), dev), what)
     if kind in ("array", "prng_key"):
         dtype = jnp.dtype(meta["dtype"])
 

@@ -23,7 +23,9 @@ host = {"params": {"w": rng.normal(size=(64, 48)).astype(np.float32)},
         "opt": {"mu": rng.normal(size=(64, 48)).astype(np.float32)}}
 save_sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devs.reshape(4), ("x",)), P("x", None))
 state = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, save_sharding, lambda i, x=x: x[i]), host)
-mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler())
+# Optimizer state lossless: "mu" marks bit-exactly which step and which shards came back.
+handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(optimizer="lossless"))
+mngr = ocp.CheckpointManager(root, item_handlers=handler)
 mngr.save(0, args=ij.InshrinkSave(state))
 mngr.wait_until_finished()
 # a second save: each process stores the change of its own shards since step 0
