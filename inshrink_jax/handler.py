@@ -138,9 +138,11 @@ def _couple_counts(flat: list, leaves_meta: list[dict], explicit: set[int]) -> N
                              "correction would divide by a second moment that restarts at 0: updates up to ~30x "
                              "too large. Drop the counter too, or keep nu (policy_rules).")
         if count_dropped and kept_mu:
-            raise ValueError(f"optimizer state {parent or '<root>'}: the step counter is dropped (reset to 0) "
-                             f"but the first moment {kept_mu[0]} is kept, so Adam's bias correction would "
-                             "multiply it by 1 / (1 - b1) on the next step. Drop mu too, or keep the counter.")
+            why = "nu is dropped, so its step counter is reset with it," if nu_dropped else \
+                "the step counter is dropped (reset to 0)"
+            raise ValueError(f"optimizer state {parent or '<root>'}: {why} but the first moment {kept_mu[0]} is "
+                             "kept, so Adam's bias correction would multiply it by 1 / (1 - b1) on the next step. "
+                             "Drop mu too, or keep nu and the counter (policy_rules).")
 
 
 def _classify(flat: list, cfg: CompressionConfig) -> tuple[list[dict], list[int]]:

@@ -56,11 +56,14 @@ def _encode_moments(ms, weight_codes, key, *, bins, spec, iters, tol, restarts, 
     for m, wc in zip(ms, weight_codes):
         m32 = m.astype(jnp.float32)
         finite = jnp.isfinite(m32)
-        keep = finite & (m32 != 0)
+        # Sign and zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal
+        # moment must keep its sign (and not become 0).
+        bits = jax.lax.bitcast_convert_type(m32, jnp.int32)
+        keep = finite & ((bits & 0x7FFFFFFF) != 0)
         if wc is not None:
             keep = keep & (wc != PRUNED)
         mag = jnp.abs(m32)
-        prepared.append((m, m32, finite, keep, mag))
+        prepared.append((m, m32, finite, keep, bits < 0, mag))
         hists.append(sketch.histogram(mag, spec, keep))
     counts = jnp.stack(hists).astype(jnp.float32)
     weights = jnp.where(positive, counts / jnp.maximum(jnp.max(counts, axis=1, keepdims=True), 1.0), 0.0)
@@ -68,13 +71,15 @@ def _encode_moments(ms, weight_codes, key, *, bins, spec, iters, tol, restarts, 
     centres = jax.vmap(lambda w, k: kmeans.weighted_kmeans(log_reps, w, bins, k, iters=iters, tol=tol,
                                                            restarts=restarts))(weights, keys)
     codes, tables, in_place = [], [], []
-    for (m, m32, finite, keep, mag), c, dtype in zip(prepared, centres, dtypes):
+    for (m, m32, finite, keep, negative, mag), c, dtype in zip(prepared, centres, dtypes):
+        # Levels inside the leaf dtype's normal range (before assignment, so each value still takes the nearest
+        # level it decodes to): a non-zero moment never decodes to 0 or Inf.
+        info = jnp.finfo(dtype)
+        c = jnp.clip(c, float(np.log(info.tiny)), float(np.log(info.max)))
         level = kmeans.assign(jnp.log(jnp.maximum(mag, tiny)), c)
-        code = jnp.where(m32 > 0, bins + 1 + level, bins - level)
+        code = jnp.where(negative, bins - level, bins + 1 + level)
         code = jnp.where(keep, code, PRUNED)
         codes.append(jnp.where(finite, code, 2 * bins + 1).astype(jnp.uint8))
-        # Levels clipped to the leaf dtype's normal range, so a non-zero moment never decodes to 0 or Inf.
-        info = jnp.finfo(dtype)
         levels = jnp.clip(jnp.exp(c), float(info.tiny), float(info.max))
         tables.append(jnp.concatenate([-levels[::-1], levels]))
         in_place.append(jnp.where(finite, jnp.zeros((), m.dtype), m))
