@@ -29,6 +29,7 @@ import digits  # noqa: E402
 import inshrink_jax as ij  # noqa: E402
 
 STEPS, EVERY, FAIL_AT, KEEP = int(os.environ.get("DEMO_STEPS", 600)), 50, 370, 3
+CONFIG = ij.CompressionConfig(epsilon=0.05)  # the defaults: the search, and the default optimizer-state policy
 
 
 def dir_bytes(path: str) -> int:
@@ -70,7 +71,7 @@ def inshrink_run(data, root):
     sens = ij.GradientEMA(every=EVERY)
 
     def open_manager():
-        return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(epsilon=0.05)),
+        return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(CONFIG),
                                      options=ocp.CheckpointManagerOptions(max_to_keep=KEEP))
 
     figures, blocking = [], []
@@ -139,8 +140,8 @@ def main():
         print(f"  whole     raw {total_raw:>11,d} B  stored {total_stored:>10,d} B  ({total_raw / total_stored:.2f}x); "
               f"Orbax default stores {orbax_per_save:,d} B per save ({orbax_per_save * len(figures) / total_stored:.2f}x "
               "more over the run)")
-        print("  (Adam moments are stored losslessly in this release: they are 2/3 of a TrainState, which caps the "
-              "whole-checkpoint ratio)")
+        print(f"  (optimizer-state policy {CONFIG.optimizer!r}: Adam's mu and nu are 2/3 of the raw bytes of this "
+              "TrainState; CompressionConfig(optimizer=...) picks lossless, quantize or drop)")
         print(f"\nOn disk now (last {KEEP} steps): Orbax {dir_bytes(os.path.join(tmp, 'orbax')):,d} B, "
               f"inshrink_jax {dir_bytes(os.path.join(tmp, 'inshrink')):,d} B (its kept steps, the keyframes their "
               "deltas build on, and until the next save the data of the step Orbax dropped last)")

@@ -36,7 +36,7 @@ import numpy as np
 from inshrink_jax import codec, delta
 
 FORMAT = "inshrink_jax"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: leaves of kind "dropped"; quantized leaves of method "moments"
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 OBJECTS = "inshrink_objects"

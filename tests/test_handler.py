@@ -8,7 +8,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import quantize
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import digits  # noqa: E402

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import moments, quantize
+from inshrink_jax import handler, moments, quantize
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import digits  # noqa: E402
@@ -236,3 +236,19 @@ def test_moment_deltas_and_nnx_paths(tmp_path):
     restored = mngr.restore(1)
     nu = restored["opt"]["opt_state"][0]["nu"]["a"]["kernel"]["value"]
     assert np.all(np.asarray(nu) > 0)
+
+
+def test_drop_resets_only_the_counter_of_the_dropped_moments():
+    params = {"dense": {"kernel": jnp.ones((64, 32)), "bias": jnp.ones((32,))}}
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(1e-3, 0.0, 100))
+    state = {"params": params, "opt_state": tx.init(params)}
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    metas, _ = handler._classify(flat, ij.CompressionConfig(optimizer="drop"))
+    kinds = {m["keystr"]: m["kind"] for m in metas}
+    counts = {k: v for k, v in kinds.items() if k.endswith("count")}
+    # adam's own counter restarts with its moments; the schedule's (inject_hyperparams) goes on
+    assert counts == {"['opt_state'].count": "array", "['opt_state'].inner_state[0].count": "dropped",
+                      "['opt_state'].hyperparams_states['learning_rate'].count": "array"}
+    assert {v for k, v in kinds.items() if ".mu" in k or ".nu" in k} == {"dropped"}
+    assert kinds["['opt_state'].hyperparams['learning_rate']"] == "array"
+    assert {kinds["['params']['dense']['kernel']"], kinds["['params']['dense']['bias']"]} == {"quantized", "array"}
