@@ -53,6 +53,7 @@ POLICIES = {
     "drop-mu": dict(optimizer="quantize", policy_rules=((r"\.mu\b", "drop"),)),
 }
 BATCH = 128
+RESUME_WINDOW = 10  # training steps after a resume whose loss is compared with the reference's
 
 
 class Data:
@@ -82,14 +83,17 @@ def quality(state, data: Data) -> tuple[float, float]:
 
 
 def reference(data: Data, steps: int):
-    state = mnist.create_state(0)
+    """(final quality, training loss of every step) of the uninterrupted run."""
+    state, losses = mnist.create_state(0), {}
     for step in range(1, steps + 1):
-        state, _, _ = digits.train_step(state, *data.batch(step))
-    return quality(state, data)
+        state, loss, _ = digits.train_step(state, *data.batch(step))
+        losses[step] = float(loss)
+    return quality(state, data), losses
 
 
 def run(policy: str, data: Data, steps: int, every: int, failures: list[int], epsilon: float):
-    """Train with checkpoints and failures; (final quality, per-save figures, number of resumes, seconds)."""
+    """Train with checkpoints and failures; (final quality, per-save figures, the steps resumed from, the training
+    losses of the RESUME_WINDOW steps after each resume, seconds)."""
     cfg = ij.CompressionConfig(epsilon=epsilon, **POLICIES[policy])
     ex, ey = data.eval
     eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, ex, ey))
@@ -104,12 +108,14 @@ def run(policy: str, data: Data, steps: int, every: int, failures: list[int], ep
     state = mnist.create_state(0)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                             if isinstance(x, jax.Array) else x, state)
-    mngr, ema, figures, resumes = fresh(), sens.init(state.params), {}, 0
+    mngr, ema, figures, resumes, after = fresh(), sens.init(state.params), {}, [], {}
     pending = sorted(failures)
     step = 0
     while step < steps:
         step += 1
-        state, _, grads = digits.train_step(state, *data.batch(step))
+        state, loss, grads = digits.train_step(state, *data.batch(step))
+        if resumes and step <= resumes[-1] + RESUME_WINDOW:
+            after[step] = float(loss)
         if sens.active(step):
             ema = sens.update(ema, grads)
         if step % every == 0:
@@ -124,11 +130,11 @@ def run(policy: str, data: Data, steps: int, every: int, failures: list[int], ep
             step = mngr.latest_step()
             state = mngr.restore(step, args=ij.InshrinkRestore(abstract))
             ema = sens.init(state.params)
-            resumes += 1
+            resumes.append(step)
             print(f"  [{policy}] failure: resumed from step {step}", flush=True)
     mngr.close()
     shutil.rmtree(root)
-    return quality(state, data), figures, resumes, time.perf_counter() - t0
+    return quality(state, data), figures, resumes, after, time.perf_counter() - t0
 
 
 def main(argv=None):
@@ -144,24 +150,30 @@ def main(argv=None):
     failures = [int((k + 0.5) * span) // args.every * args.every + args.every // 2 for k in range(args.failures)]
     data = Data(seed=0)
     t = time.perf_counter()
-    ref_acc, ref_loss = reference(data, args.steps)
+    (ref_acc, ref_loss), ref_losses = reference(data, args.steps)
     t_ref = time.perf_counter() - t
-    other_acc, other_loss = reference(Data(seed=1000), args.steps)
+    (other_acc, other_loss), _ = reference(Data(seed=1000), args.steps)
     print(f"reference: accuracy {ref_acc:.4f} loss {ref_loss:.4f} ({t_ref:.0f} s); another data order: "
           f"{other_acc:.4f} / {other_loss:.4f}", flush=True)
     rows = []
     for policy in args.policies:
-        (acc, loss), figs, resumes, seconds = run(policy, data, args.steps, args.every, failures, args.epsilon)
+        (acc, loss), figs, resumes, after, seconds = run(policy, data, args.steps, args.every, failures,
+                                                          args.epsilon)
+        # Training loss right after the resumes against the reference's on the same batches (the first time
+        # each step is trained after a resume); > 0: the resumed state trains worse there.
+        spike = sum(after.values()) / sum(ref_losses[k] for k in after) - 1
         raw = {p: sum(f["raw_bytes"][p] for f in figs.values()) for p in ("params", "optimizer", "other")}
         stored = {p: sum(f["stored_bytes"][p] for f in figs.values()) for p in ("params", "optimizer", "other")}
-        row = dict(policy=policy, acc=acc, loss=loss, resumes=resumes, saves=len(figs), seconds=seconds,
+        row = dict(policy=policy, acc=acc, loss=loss, resumes=len(resumes), saves=len(figs), seconds=seconds,
+                   spike=spike,
                    ratio={p: raw[p] / stored[p] if stored[p] else float("inf") for p in raw},
                    whole=sum(raw.values()) / sum(stored.values()),
                    acc_deg=(ref_acc - acc) / ref_acc, loss_deg=(loss - ref_loss) / ref_loss)
         rows.append(row)
         print(f"{policy}: accuracy {acc:.4f} ({row['acc_deg']:+.2%}), loss {loss:.4f} ({row['loss_deg']:+.2%}), "
               f"whole {row['whole']:.1f}x, params {row['ratio']['params']:.1f}x, optimizer "
-              f"{row['ratio']['optimizer']:.1f}x, {resumes} resumes, {seconds:.0f} s", flush=True)
+              f"{row['ratio']['optimizer']:.1f}x, {len(resumes)} resumes, training loss after resumes "
+              f"{spike:+.1%}, {seconds:.0f} s", flush=True)
 
     def fmt(r):
         return "not stored" if r == float("inf") else f"{r:.1f}x"
@@ -178,13 +190,17 @@ def main(argv=None):
              f"The same run with another data order (seed 1000): accuracy {other_acc:.4f} "
              f"({(ref_acc - other_acc) / ref_acc:+.2%}), loss {other_loss:.4f} "
              f"({(other_loss - ref_loss) / ref_loss:+.2%}): the spread between two uncompressed runs.", "",
+             f"Training loss after resumes: the mean training loss of the {RESUME_WINDOW} steps after each resume, "
+             "against the reference's on the same batches (+: the resumed state trains worse right after the "
+             "resume; it also carries whatever the run drifted by before).", "",
              "| optimizer policy | resumes | whole checkpoint | params | optimizer state | final accuracy | "
-             "relative degradation (accuracy) | final loss | relative degradation (loss) | run s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "relative degradation (accuracy) | final loss | relative degradation (loss) | training loss after "
+             "resumes | run s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['policy']} | {r['resumes']} | **{r['whole']:.1f}x** | {r['ratio']['params']:.1f}x | "
                      f"{fmt(r['ratio']['optimizer'])} | {r['acc']:.4f} | **{r['acc_deg']:+.2%}** | {r['loss']:.4f} | "
-                     f"{r['loss_deg']:+.2%} | {r['seconds']:.0f} |")
+                     f"{r['loss_deg']:+.2%} | {r['spike']:+.1%} | {r['seconds']:.0f} |")
     report.emit(lines, args.out)
 
 

@@ -118,11 +118,12 @@ class CompressionConfig:
         other metric's degradation is lower by more than this fraction of `epsilon`.
       quant: the configuration used when `search` is False.
       optimizer: policy for the optimizer's moments (optax `mu`, `nu`, `nu_max`, sgd momentum `trace`):
-        "quantize" (sign kept, log-domain levels, `moment_bins` per sign, exact zeros kept; the first moment of
-        a pruned weight is pruned with it), "lossless" (bit-exact) or "drop" (not stored; restored as zeros).
-        An optax step counter `count` beside a dropped `nu` is dropped with it (restored as 0), so Adam's bias
-        correction restarts with its moments; docs/how-it-works.md says which policy the fault-tolerance
-        benchmark supports as the default.
+        "drop" (the default: not stored, restored as zeros; an optax step counter `count` beside a dropped `nu`
+        is dropped with it, so Adam's bias correction restarts with its moments), "quantize" (sign kept,
+        log-domain levels, `moment_bins` per sign, exact zeros kept; the first moment of a pruned weight is
+        pruned with it) or "lossless" (bit-exact). The default is the policy with the largest whole-checkpoint
+        ratio that kept final quality within 1% over 10 resumes in benchmarks/results/fault_tolerance.md;
+        docs/how-it-works.md says what that benchmark does and does not show.
       moment_bins: log-magnitude levels per sign of a quantized moment (in [2, 127]).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
         before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
@@ -149,7 +150,7 @@ class CompressionConfig:
     proxy_budget: float = 0.01
     metric_switch_margin: float = 0.2
     quant: QuantConfig = QuantConfig()
-    optimizer: str = "quantize"
+    optimizer: str = "drop"
     moment_bins: int = 16
     policy_rules: tuple[tuple[str, str], ...] = ()
 
