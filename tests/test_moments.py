@@ -112,7 +112,7 @@ def test_quantize_policy_keeps_zeros_signs_and_prunes_first_moments(tmp_path, tr
     state = state.replace(opt_state=(adam(state)._replace(mu=set_zero(mu), nu=set_zero(nu)),
                                      *state.opt_state[1:]))
     quant = ij.QuantConfig(bins=8, prune_fraction=0.3)
-    r, fig = save_restore(tmp_path, state, grads, quant=quant)
+    r, fig = save_restore(tmp_path, state, grads, quant=quant, optimizer="quantize")
     weights = jax.tree_util.tree_flatten_with_path(r.params)[0]
     pairs = zip(jax.tree.leaves(adam(r).mu), jax.tree.leaves(adam(state).mu), jax.tree.leaves(adam(r).nu),
                 jax.tree.leaves(adam(state).nu), weights)
@@ -164,7 +164,7 @@ def test_policy_rules_override_by_path(tmp_path, trained):
     state, grads, _ = trained
     # mu dropped, nu quantized, count kept: Adam's bias correction goes on; a kernel kept lossless
     rules = ((r"\.mu\b", "drop"), (r"Dense_1", "lossless"))
-    r, _ = save_restore(tmp_path, state, grads, policy_rules=rules)
+    r, _ = save_restore(tmp_path, state, grads, optimizer="quantize", policy_rules=rules)
     assert not any(np.any(np.asarray(x)) for x in jax.tree.leaves(adam(r).mu))
     assert int(adam(r).count) == int(adam(state).count)
     np.testing.assert_array_equal(np.asarray(r.params["Dense_1"]["kernel"]),
@@ -184,7 +184,7 @@ def test_policy_rules_override_by_path(tmp_path, trained):
 def test_unsafe_or_impossible_policies_are_refused(tmp_path, trained, rules, message):
     state, _, _ = trained
     tree = {"state": state.replace(step=3), "key": jax.random.key(0)}
-    h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False, policy_rules=rules))
+    h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False, optimizer="quantize", policy_rules=rules))
     mngr = ocp.CheckpointManager(tmp_path, item_handlers=h)
     with pytest.raises(ValueError, match=message):
         mngr.save(0, args=ij.InshrinkSave(tree))
@@ -221,7 +221,7 @@ def test_moment_deltas_and_nnx_paths(tmp_path):
         loss = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
         opt.update(model, nnx.grad(loss)(model))
 
-    h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False))
+    h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False, optimizer="quantize"))
     mngr = ocp.CheckpointManager(tmp_path, item_handlers=h)
     for s in range(2):
         for _ in range(3):
