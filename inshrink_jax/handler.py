@@ -2,8 +2,9 @@
 
 Thin by design: `async_save` picks the configuration (search.py: candidates encoded and scored on the device,
 eval_fn called on the caller's thread; or the fixed `CompressionConfig.quant`), dispatches the jitted encoder
-(quantize.py; the search's chosen candidate is reused), starts the device-to-host copies and returns without
-waiting; the commit future takes the codes to the host, turns them into deltas against
+(quantize.py; the search's chosen candidate is reused; optimizer moments by moments.py under their policy)
+and returns without waiting; the commit future starts the device-to-host copies, takes the codes to the
+host, turns them into deltas against
 the previous save's codes (delta.py), entropy-codes (codec.py) and writes one object per save (store.py);
 `finalize` commits it and collects unreferenced objects; `restore` reads, checks, walks delta chains and
 decodes. See DESIGN.md sections 1-4, docs/how-it-works.md and docs/format.md.
@@ -263,7 +264,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         object_id = store.new_object_id(root, item, step)
 
         # Device work, dispatched, not waited for: choose the configuration (the search evaluates candidates on
-        # the device), encode all quantized leaves, start the copies to the host.
+        # the device), encode all quantized leaves (the commit thread starts the copies to the host).
         xs = [flat[i][1] for i in quant_idx]
         gs = [grads.get(self._match(grads, leaves_meta[i]["keystr"])) for i in quant_idx]
         layer_types = [leaves_meta[i]["layer_type"] for i in quant_idx]
@@ -286,7 +287,6 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         quant_idx, xs = quant_idx + moment_idx, xs + [flat[i][1] for i in moment_idx]
         shards: list[tuple[int, list, Any]] = []  # (leaf, box, what to store)
         for i, x, dev in zip(quant_idx, xs, devs):
-            dev.start_copy_to_host()
             in_place = {s.device: s.data for s in dev.protected_in_place.addressable_shards}
             for s in dev.codes.addressable_shards:
                 if s.replica_id == 0:
@@ -341,6 +341,9 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             return segments, (enc.codes, enc.bins, depth)
 
         async def commit():
+            # Device-to-host copies are issued here, on the commit thread, so save() does not pay for issuing them.
+            for dev in devs:
+                dev.start_copy_to_host()
             with concurrent.futures.ThreadPoolExecutor(self._threads) as pool:
                 results = list(pool.map(lambda t: encode_shard(*t), shards))
             writer = store.BlobWriter(object_path, process)
