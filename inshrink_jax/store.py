@@ -231,26 +231,33 @@ def referenced_objects(root: str, item: str, current=None) -> tuple[set[str], se
     return refs, own
 
 
-def collect_garbage(root: str, item: str, current=None) -> list[str]:
+def collect_garbage(root: str, item: str, current=None, dry_run: bool = False, keep_uncommitted: bool = False):
     """Delete the objects no committed step references, and the data files of objects only later deltas
-    reference (primary host only). Returns the ids of the objects deleted."""
+    reference (primary host only). Returns (ids of the objects, [(path, bytes)] of the data files) deleted, or
+    that would be with `dry_run`; None when some step's records cannot be read (then nothing is deleted).
+    `keep_uncommitted` leaves objects without a commit record alone (a save may be writing them: outside
+    `finalize` nobody can tell a save in flight from one that crashed)."""
     found = referenced_objects(root, item, current)
     if found is None:
-        return []
+        return None
     refs, own = found
     try:
         names = os.listdir(objects_dir(root, item))
     except FileNotFoundError:
-        return []
-    gone = sorted(n for n in names if n not in refs)
-    for n in gone:
-        shutil.rmtree(os.path.join(objects_dir(root, item), n), ignore_errors=True)
+        return [], []
+    gone = sorted(n for n in names if n not in refs and not (keep_uncommitted and not is_committed(root, item, n)))
+    files = []
     for n in sorted(refs - own):  # a delta base whose own step is gone: its code streams are all that is read
         path = os.path.join(objects_dir(root, item), n)
-        for f in os.listdir(path) if os.path.isdir(path) else []:
+        for f in sorted(os.listdir(path)) if os.path.isdir(path) else []:
             if f.startswith(DATA_FILE + "."):
-                os.remove(os.path.join(path, f))
-    return gone
+                files.append((os.path.join(path, f), os.path.getsize(os.path.join(path, f))))
+    if not dry_run:
+        for n in gone:
+            shutil.rmtree(os.path.join(objects_dir(root, item), n), ignore_errors=True)
+        for f, _ in files:
+            os.remove(f)
+    return gone, files
 
 
 # ---------------------------------------------------------------------------------------------------- read

@@ -1,0 +1,292 @@
+"""The `inshrink-jax` command: see what is on disk, check it, get a plain Orbax checkpoint out of it, collect
+unreferenced data.
+
+    inshrink-jax inspect PATH [--step N] [--item NAME] [--json]
+    inshrink-jax verify  PATH [--step N] [--item NAME]
+    inshrink-jax export  PATH --step N OUT [--item NAME]
+    inshrink-jax gc      PATH [--item NAME] [--apply]
+
+PATH is a `CheckpointManager` root (the directory holding the step directories). `--item` picks the item of a
+composite checkpoint; by default the one item written by inshrink_jax. `verify` exits 1 on any problem and
+names it (step, item, file, leaf); `gc` only lists what it would delete unless `--apply` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from inshrink_jax import codec, store
+
+
+class _Progress:
+    """One line of progress on stderr, redrawn in place on a terminal, printed once per 10% otherwise."""
+
+    def __init__(self, what: str, total: int):
+        self.what, self.total, self.done, self._last = what, total, 0, -1
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str = "") -> None:
+        self.done += 1
+        pct = 100 * self.done // max(self.total, 1)
+        if self.tty:
+            bar = "#" * (pct // 5)
+            sys.stderr.write(f"\r{self.what} [{bar:<20}] {self.done}/{self.total} {label[:40]:<40}")
+            if self.done == self.total:
+                sys.stderr.write("\n")
+        elif pct // 10 != self._last // 10 or self.done == self.total:
+            sys.stderr.write(f"{self.what}: {self.done}/{self.total} {label}\n")
+        self._last = pct
+        sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------------------------ locating
+def _steps(root: str) -> list[int]:
+    if not os.path.isdir(root):
+        raise SystemExit(f"inshrink-jax: {root} is not a directory")
+    return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d)))
+
+
+def _item(root: str, steps: list[int], item: str | None) -> str:
+    """The item name: `item`, or the one item of the steps whose manifest was written by inshrink_jax."""
+    if item is not None:
+        return item
+    found = set()
+    for s in steps:
+        for name in os.listdir(os.path.join(root, str(s))):
+            if os.path.exists(os.path.join(root, str(s), name, store.MANIFEST)):
+                found.add(name)
+    if len(found) == 1:
+        return found.pop()
+    if not found:
+        raise SystemExit(f"inshrink-jax: no inshrink_jax checkpoint item under {root} (no step directory holds a "
+                         f"{store.MANIFEST}); PATH must be a CheckpointManager root")
+    raise SystemExit(f"inshrink-jax: several items under {root}: {sorted(found)}; pick one with --item")
+
+
+def _select(steps: list[int], step: int | None, root: str) -> list[int]:
+    if step is None:
+        return steps
+    if step not in steps:
+        raise SystemExit(f"inshrink-jax: step {step} is not under {root}; steps there: {steps}")
+    return [step]
+
+
+# ------------------------------------------------------------------------------------------------- inspect
+def _summary(directory: str) -> dict:
+    from inshrink_jax.handler import figures_from
+
+    reader = store.Reader(directory)
+    figs = figures_from(reader.manifest, reader.own.commit)
+    leaves = [{k: m[k] for k in ("keystr", "kind", "part", "shape", "dtype", "method", "bins", "layer_type")
+               if k in m} for m in reader.manifest["leaves"]]
+    return {"directory": directory, "object": reader.object_id, "bases": reader.own.commit["bases"],
+            "objects": sorted(reader.commit["objects"]), "leaves": leaves,
+            "config": reader.manifest["config"], **figs}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _ratio(r) -> str:
+    return "not stored" if r is None else f"{r:.1f}x"
+
+
+def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int:
+    steps = _steps(root)
+    item = _item(root, steps, item)
+    out = {}
+    for s in _select(steps, step, root):
+        try:
+            out[s] = _summary(os.path.join(root, str(s), item))
+        except store.CheckpointCorruptError as e:
+            out[s] = {"error": str(e)}
+    if as_json:
+        print(json.dumps({str(k): v for k, v in out.items()}, indent=1))
+        return 0
+    print(f"{root}: item {item!r}, {len(steps)} step(s)")
+    print(f"{'step':>7} {'kind':>8} {'depth':>5} {'stored':>10} {'params':>8} {'optim.':>10} {'whole':>7} "
+          f"{'save s':>7}  configuration")
+    for s, f in out.items():
+        if "error" in f:
+            print(f"{s:>7} ERROR {f['error']}")
+            continue
+        q = f["quant"]
+        conf = "lossless" if q is None else (f"{q['bins']} bins, prune {q['prune_fraction']:.0%} "
+                                             f"({q['prune_metric']}), protect {q['protect_fraction']:.2%}")
+        print(f"{s:>7} {f['kind']:>8} {f['chain_depth']:>5} {_fmt_bytes(sum(f['stored_bytes'].values())):>10} "
+              f"{_ratio(f['ratio']['params']):>8} {_ratio(f['ratio']['optimizer']):>10} "
+              f"{f['ratio']['total']:>6.1f}x {f['total_seconds']:>7.2f}  {conf}; optimizer "
+              f"{f['config'].get('optimizer', 'lossless')}")
+    if step is not None and "error" not in out[step]:
+        f = out[step]
+        print(f"\nstep {step}: object {f['object']}, delta bases {f['bases'] or 'none (keyframe)'}; search "
+              f"{f['search'].get('mode')}; sensitivity: {f['sensitivity']}")
+        print(f"  raw bytes {f['raw_bytes']}, stored bytes {f['stored_bytes']}")
+        print(f"  blocking {f['blocking_seconds']:.3f} s, total {f['total_seconds']:.3f} s")
+        for m in f["leaves"]:
+            detail = m["kind"] + (f" ({m['method']}, {m['bins']} levels)" if m["kind"] == "quantized" else "")
+            print(f"  {m['keystr']:<60} {detail:<32} {str(m.get('shape', '')):<16} {m.get('dtype', '')}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- verify
+def _verify_step(directory: str) -> list[str]:
+    """Every problem of one step's item: records, every segment's checksum and size, every delta chain."""
+    problems = []
+    try:
+        reader = store.Reader(directory)
+        for oid in reader.commit["objects"]:
+            reader.object(oid)  # commit record and offset tables against their checksums
+    except store.CheckpointCorruptError as e:
+        return [str(e)]
+    for meta in reader.manifest["leaves"]:
+        if meta["kind"] in ("scalar", "dropped"):
+            continue
+        leaf = meta["keystr"]
+        shards = reader.shards.get(leaf, [])
+        if not shards:
+            problems.append(f"{store.describe(directory)}: leaf {leaf}: no stored shard")
+            continue
+        for p, entry in shards:
+            try:
+                shape = [b[1] - b[0] for b in entry["box"]]
+                if meta["kind"] == "quantized":
+                    codes, _ = reader.codes(leaf, entry["box"])
+                    seg = entry["segments"]["protected"]
+                    itemsize = jnp.dtype(seg["dtype"]).itemsize
+                    raw = codec.decompress(reader.segment(leaf, p, seg, "protected"), seg["codec"], itemsize)
+                    n = int(np.count_nonzero(codes == meta["bins"] + 1))
+                    if len(raw) != n * itemsize or seg["count"] != n:
+                        raise store.CheckpointCorruptError(
+                            f"{store.describe(directory)}: leaf {leaf}: {n} protected codes but {seg['count']} "
+                            "protected values")
+                else:
+                    seg = entry["segments"]["data"]
+                    itemsize = jnp.dtype(meta["dtype"]).itemsize  # a PRNG key's is its key data's, uint32
+                    raw = codec.decompress(reader.segment(leaf, p, seg, "data"), seg["codec"], itemsize)
+                    if len(raw) != int(np.prod(shape)) * itemsize:
+                        raise store.CheckpointCorruptError(
+                            f"{store.describe(directory)}: leaf {leaf}: shard {entry['box']} holds {len(raw)} bytes, "
+                            f"expected {int(np.prod(shape)) * itemsize}")
+            except store.CheckpointCorruptError as e:
+                problems.append(str(e))
+            except Exception as e:  # a corrupted stream that still matched its checksum, or a codec error
+                problems.append(f"{store.describe(directory)}: leaf {leaf}: {type(e).__name__}: {e}")
+    return problems
+
+
+def verify(root: str, step: int | None, item: str | None) -> int:
+    steps = _steps(root)
+    item = _item(root, steps, item)
+    chosen = _select(steps, step, root)
+    progress = _Progress("verify", len(chosen))
+    problems = []
+    for s in chosen:
+        problems += _verify_step(os.path.join(root, str(s), item))
+        progress.step(f"step {s}")
+    for p in problems:
+        print(f"PROBLEM {p}")
+    print(f"{root}: item {item!r}: {len(chosen)} step(s) checked, "
+          + ("all good" if not problems else f"{len(problems)} problem(s)"))
+    return 1 if problems else 0
+
+
+# -------------------------------------------------------------------------------------------------- export
+def export(root: str, step: int, item: str | None, out: str) -> int:
+    import orbax.checkpoint as ocp
+
+    from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore
+
+    steps = _steps(root)
+    item = _item(root, steps, item)
+    _select(steps, step, root)
+    directory = os.path.join(root, str(step), item)
+    if os.path.exists(out):
+        raise SystemExit(f"inshrink-jax: {out} exists; export writes a new directory")
+    state = InshrinkCheckpointHandler().restore(directory, InshrinkRestore())
+    reader = store.Reader(directory)
+    dropped = [m["keystr"] for m in reader.manifest["leaves"] if m["kind"] == "dropped"]
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(out), state)
+    print(f"step {step} of {root} (item {item!r}) written to {out} as a plain Orbax StandardCheckpointer "
+          "checkpoint (restore it with ocp.StandardCheckpointer().restore(path)); quantized leaves hold their "
+          "decoded values")
+    if dropped:
+        print(f"  {len(dropped)} leaves were not stored (optimizer policy 'drop') and are exported as zeros, e.g. "
+              f"{dropped[0]}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ gc
+def gc(root: str, item: str | None, apply: bool) -> int:
+    steps = _steps(root)
+    item = _item(root, steps, item)
+    plan = store.collect_garbage(root, item, dry_run=not apply, keep_uncommitted=True)
+    if plan is None:
+        print(f"{root}: some step's records cannot be read (run verify); nothing is collected")
+        return 1
+    objects, files = plan
+    size = sum(os.path.getsize(os.path.join(d, f)) for o in objects
+               for d, _, fs in os.walk(os.path.join(store.objects_dir(root, item), o)) for f in fs) if not apply else 0
+    verb = "deleted" if apply else "would delete"
+    print(f"{root}: item {item!r}: {verb} {len(objects)} unreferenced object(s) and {len(files)} data file(s) of "
+          "objects kept only as delta bases" + (f" ({_fmt_bytes(size + sum(s for _, s in files))})"
+                                                if not apply else ""))
+    for o in objects:
+        print(f"  object {o}")
+    for f, _ in files:
+        print(f"  file {f}")
+    pending = [n for n in os.listdir(store.objects_dir(root, item))
+               if not store.is_committed(root, item, n)] if os.path.isdir(store.objects_dir(root, item)) else []
+    if pending:
+        print(f"  left alone: {len(pending)} uncommitted object(s) (a save in flight, or one that crashed; the next "
+              f"save collects them): {', '.join(sorted(pending))}")
+    if not apply and (objects or files):
+        print("  (dry run: pass --apply to delete)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="inshrink-jax", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="steps, keyframes and deltas, bytes per part, ratios, config, timings")
+    p.add_argument("path")
+    p.add_argument("--step", type=int)
+    p.add_argument("--item")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("verify", help="check every record, checksum and delta chain; exit 1 on any problem")
+    p.add_argument("path")
+    p.add_argument("--step", type=int)
+    p.add_argument("--item")
+    p = sub.add_parser("export", help="write a step as a plain Orbax StandardCheckpointer checkpoint")
+    p.add_argument("path")
+    p.add_argument("--step", type=int, required=True)
+    p.add_argument("out")
+    p.add_argument("--item")
+    p = sub.add_parser("gc", help="delete data no step references (dry run unless --apply)")
+    p.add_argument("path")
+    p.add_argument("--item")
+    p.add_argument("--apply", action="store_true")
+    a = ap.parse_args(argv)
+    if a.command == "inspect":
+        return inspect(a.path, a.step, a.item, a.json)
+    if a.command == "verify":
+        return verify(a.path, a.step, a.item)
+    if a.command == "export":
+        return export(a.path, a.step, a.item, a.out)
+    return gc(a.path, a.item, a.apply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

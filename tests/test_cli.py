@@ -1,0 +1,137 @@
+"""The inshrink-jax command: inspect, verify (exit code, naming the problem), export, gc."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import inshrink_jax as ij
+from inshrink_jax import cli, store
+
+
+def state_at(i):
+    rng = np.random.default_rng(0)
+    w = rng.standard_t(3, size=(128, 64)).astype(np.float32) * 0.05
+    drift = np.random.default_rng(i).normal(size=w.shape).astype(np.float32) * 1e-3 * i
+    return {"params": {"dense": {"kernel": jnp.asarray(w + drift), "bias": jnp.zeros((64,))}},
+            "opt_state": {"mu": jnp.asarray(w * 0.1), "nu": jnp.asarray(w**2), "count": jnp.int32(i)},
+            "step": jnp.int32(i)}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    cfg = ij.CompressionConfig(search=False, optimizer="quantize")
+    mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(cfg))
+    for i in range(3):
+        mngr.save(i, args=ij.InshrinkSave(state_at(i)))
+        mngr.wait_until_finished()
+    mngr.close()
+    return path
+
+
+def copy(root, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(root, dst)
+    return dst
+
+
+def test_inspect_lists_steps_chains_and_ratios(root, capsys):
+    assert cli.main(["inspect", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "item 'default', 3 step(s)" in out
+    lines = [l.split() for l in out.splitlines() if l.strip()[:1].isdigit()]
+    assert [(l[0], l[1], l[2]) for l in lines] == [("0", "keyframe", "0"), ("1", "delta", "1"), ("2", "delta", "2")]
+    assert cli.main(["inspect", str(root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert sorted(data) == ["0", "1", "2"]
+    assert data["2"]["bases"] == [data["1"]["object"]] and data["2"]["kind"] == "delta"
+    assert data["2"]["ratio"]["params"] > 4 and data["2"]["config"]["optimizer"] == "quantize"
+    assert cli.main(["inspect", str(root), "--step", "1"]) == 0
+    detail = capsys.readouterr().out
+    assert "['params']['dense']['kernel']" in detail and "quantized (moments, 32 levels)" in detail
+
+
+def test_verify_passes_on_a_healthy_root(root, capsys):
+    assert cli.main(["verify", str(root)]) == 0
+    assert "3 step(s) checked, all good" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target", ["blob", "data", "manifest", "index"])
+def test_verify_names_a_flipped_byte_and_fails(root, tmp_path, capsys, target):
+    dst = copy(root, tmp_path)
+    objects = dst / store.OBJECTS / "default"
+    obj = sorted(os.listdir(objects))[0]  # step 0's object: the base of every later step
+    path = {"blob": objects / obj / "blob.0", "data": objects / obj / "data.0",
+            "manifest": dst / "0" / "default" / store.MANIFEST, "index": objects / obj / "index.0.json"}[target]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    assert cli.main(["verify", str(dst)]) == 1
+    out = capsys.readouterr().out
+    problems = [l for l in out.splitlines() if l.startswith("PROBLEM")]
+    assert problems and all("step " in p for p in problems)
+    if target == "blob":  # every step's chain goes through step 0's code streams
+        assert {p.split("step ")[1].split(",")[0] for p in problems} == {"0", "1", "2"}
+        assert all("leaf" in p for p in problems)
+    if target == "data":  # only step 0 reads its own protected values and lossless leaves
+        assert {p.split("step ")[1].split(",")[0] for p in problems} == {"0"}
+
+
+def test_verify_finds_a_missing_base_object(root, tmp_path, capsys):
+    dst = copy(root, tmp_path)
+    objects = dst / store.OBJECTS / "default"
+    shutil.rmtree(objects / sorted(os.listdir(objects))[0])
+    assert cli.main(["verify", str(dst), "--step", "2"]) == 1
+    assert "which is missing" in capsys.readouterr().out
+
+
+def test_export_writes_a_plain_orbax_checkpoint_of_the_restored_state(root, tmp_path, capsys):
+    out = tmp_path / "plain"
+    assert cli.main(["export", str(root), "--step", "2", str(out)]) == 0
+    plain = ocp.StandardCheckpointer().restore(out.resolve())
+    ours = ij.InshrinkCheckpointHandler().restore(root / "2" / "default", ij.InshrinkRestore())
+    flat_a, flat_b = jax.tree_util.tree_flatten_with_path(plain)[0], jax.tree_util.tree_flatten_with_path(ours)[0]
+    assert [jax.tree_util.keystr(p) for p, _ in flat_a] == [jax.tree_util.keystr(p) for p, _ in flat_b]
+    for (_, a), (_, b) in zip(flat_a, flat_b):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(SystemExit, match="exists"):
+        cli.main(["export", str(root), "--step", "2", str(out)])
+
+
+def test_gc_is_a_dry_run_unless_applied(root, tmp_path, capsys):
+    dst = copy(root, tmp_path)
+    objects = dst / store.OBJECTS / "default"
+    # an object no step references (as a crash between finalize steps could leave), and an uncommitted one
+    shutil.copytree(objects / sorted(os.listdir(objects))[0], objects / "7.0")
+    (objects / "8.0").mkdir()
+    assert cli.main(["gc", str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert "would delete 1 unreferenced object(s)" in out and "object 7.0" in out and "8.0" in out
+    assert (objects / "7.0").exists()
+    assert cli.main(["gc", str(dst), "--apply"]) == 0
+    assert not (objects / "7.0").exists() and (objects / "8.0").exists()  # an uncommitted object may be in flight
+    assert cli.main(["verify", str(dst)]) == 0
+
+
+def test_bad_paths_and_steps_are_clear_errors(root, tmp_path):
+    with pytest.raises(SystemExit, match="not a directory"):
+        cli.main(["inspect", str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit, match="no inshrink_jax checkpoint item"):
+        cli.main(["inspect", str(tmp_path)])
+    with pytest.raises(SystemExit, match="step 9 is not under"):
+        cli.main(["verify", str(root), "--step", "9"])
+
+
+def test_the_console_script_is_installed(root):
+    exe = shutil.which("inshrink-jax", path=os.path.dirname(sys.executable))
+    assert exe is not None, "pip install -e . installs the inshrink-jax command next to the interpreter"
+    done = subprocess.run([exe, "verify", str(root)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "all good" in done.stdout
