@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_handler.py [--big-params 5e7] [--out benchmarks/r
 
 States: the digits CNN TrainState (adam) after 200 steps on real data, and a params-only state of --big-params
 float32 parameters (Student-t weights, 4096-wide matrices). inshrink_jax runs with 16 bins, protect 0.5%, no
-pruning, no delta (one keyframe), no configuration search. Each timing is the best of --repeats saves to fresh directories after one
+pruning, no delta (one keyframe), no configuration search, the default optimizer policy. Each timing is the best of --repeats saves to fresh directories after one
 warm-up save (compilation excluded).
 """
 
@@ -136,8 +136,9 @@ def main(argv=None):
         print("chain restore", t_key, t_deep, chain_sizes, flush=True)
     lines = ["# Handler vs ocp.StandardCheckpointer (same state, same run)", "",
              f"Command: `python benchmarks/bench_handler.py {' '.join(sys.argv[1:])}`".rstrip(), "",
-             "inshrink_jax: 16 bins, protect 0.5%, no pruning, one keyframe (the first save of a run); optimizer state and "
-             "small leaves lossless. Sizes are whole step directories (metadata included). Times: best of "
+             "inshrink_jax: 16 bins, protect 0.5%, no pruning, one keyframe (the first save of a run), no search; "
+             "optimizer state under the default policy (drop: Adam's moments are not stored); small leaves "
+             "lossless. Sizes are whole step directories (metadata included). Times: best of "
              f"{args.repeats} after a warm-up, 2-core CPU; ratio = Orbax / inshrink_jax (> 1: inshrink_jax smaller "
              "or faster).", "",
              "| state | Orbax bytes | inshrink bytes | size ratio | params-only ratio | blocking s (Orbax / ours) "
