@@ -444,6 +444,11 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             elif (m["kind"] in ("array", "quantized", "dropped") and hasattr(t, "dtype")
                   and jnp.dtype(t.dtype) != jnp.dtype(m["dtype"])):
                 problems.append(f"{k}: saved dtype {m['dtype']}, target {jnp.dtype(t.dtype).name}")
+            elif "shape" in m and m["kind"] != "prng_key":
+                try:
+                    _target_sharding(t).addressable_devices_indices_map(tuple(m["shape"]))
+                except ValueError as e:
+                    problems.append(f"{k}: the target sharding does not fit shape {tuple(m['shape'])} ({e})")
         if problems:
             raise ValueError(f"{store.describe(directory)}: the restore target does not match the saved "
                              f"leaves: " + "; ".join(problems[:20]))
