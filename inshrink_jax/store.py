@@ -64,6 +64,15 @@ def describe(directory) -> str:
     return f"step {step}, item {item!r} ({os.fspath(directory)})"
 
 
+def _missing(directory, what: str) -> CheckpointCorruptError:
+    """The error for a file that is not there: a step deleted while it was read (retention, `mngr.delete`) is
+    told apart from a damaged one."""
+    if not os.path.isdir(os.fspath(directory)):
+        return CheckpointCorruptError(f"{describe(directory)} was deleted while it was being read (retention or "
+                                      f"mngr.delete): {what} is gone. Restore a step that is still listed.")
+    return CheckpointCorruptError(f"{describe(directory)}: {what} is missing")
+
+
 def objects_dir(root: str, item: str) -> str:
     return os.path.join(root, OBJECTS, item)
 
@@ -104,7 +113,7 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise CheckpointCorruptError(f"{describe(directory)}: {what} {path} is missing") from None
+        raise _missing(directory, f"{what} {path}") from None
     try:
         wrapped = json.loads(raw)
         body = wrapped["body"]
@@ -269,6 +278,8 @@ class _Object:
         self.directory = directory
         self.path = os.path.join(objects_dir(root, item), object_id)
         if not os.path.isdir(self.path):
+            if not os.path.isdir(os.fspath(directory)):
+                raise _missing(directory, f"object {object_id}")
             raise CheckpointCorruptError(
                 f"{describe(directory)}: needs object {object_id} ({self.path}), which is missing; it was deleted "
                 "outside inshrink_jax. This step cannot be restored; restore another step.")
@@ -293,7 +304,7 @@ class _Object:
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                raise CheckpointCorruptError(f"{describe(self.directory)}: {path} is missing") from None
+                raise _missing(self.directory, path) from None
             expect = self.commit["processes"][p]["blob_bytes" if file == CODES_FILE else "data_bytes"]
             if size != expect:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: {path} has {size} bytes, expected "
