@@ -31,7 +31,7 @@ import numpy as np
 
 from inshrink_jax import kmeans, sketch
 from inshrink_jax.config import CompressionConfig
-from inshrink_jax.quantize import PRUNED, DeviceCodes
+from inshrink_jax.quantize import PRUNED, DeviceCodes, seed_key
 
 # First moments follow their weight's pruning; second moments never do: a weight pruned to 0 with mu = 0 and
 # its nu kept gets a small first update (mu / sqrt(nu) starts at (1 - b1) g / sqrt(nu)), while mu = nu = 0
@@ -104,7 +104,7 @@ def encode_on_device(ms: Sequence[jax.Array], weight_codes: Sequence[jax.Array |
         raise ValueError("moments.encode_on_device needs one weight-codes array (or None) per moment")
     if not ms:
         return []
-    key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0x6D6F6D) if key is None else key
+    key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
     codes, tables, in_place = _encode_moments(
         list(ms), list(weight_codes), key, bins=cfg.moment_bins, spec=sketch.SketchSpec(cfg.alpha),
         iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,

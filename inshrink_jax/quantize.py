@@ -85,6 +85,13 @@ class EncodedTensor(NamedTuple):
         return int(self.centres.shape[0])
 
 
+@functools.lru_cache(maxsize=64)
+def seed_key(seed: int, fold: int) -> jax.Array:
+    """fold_in(PRNGKey(seed), fold), made once per process: creating keys costs host dispatches, which every
+    save() would otherwise pay while the training loop waits."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), fold)
+
+
 def protected_storage_dtype(dtype, cfg: CompressionConfig) -> np.dtype:
     """Storage dtype of protected values: the leaf's own if it is 16-bit (exact), else the configured one."""
     dtype = jnp.dtype(dtype)
@@ -228,7 +235,6 @@ def encode_on_device(
     """
     if not (len(xs) == len(gs) == len(layer_types)):
         raise ValueError("encode needs one gradient (or None) and one layer type per tensor")
-    key = jax.random.PRNGKey(cfg.seed) if key is None else key
     spec = sketch.SketchSpec(cfg.alpha)
     out: list[DeviceCodes | None] = [None] * len(xs)
     for t, kind in enumerate(sorted(set(layer_types))):
@@ -238,7 +244,8 @@ def encode_on_device(
             raise ValueError(f"{bins} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
         codes, centres, in_place = _encode_group(
             [xs[i] for i in idx], [gs[i] for i in idx], np.int32(bins), np.bool_(quant.prune_metric == "sensitivity"),
-            np.float32(quant.protect_fraction), np.float32(quant.prune_fraction), jax.random.fold_in(key, t),
+            np.float32(quant.protect_fraction), np.float32(quant.prune_fraction),
+            seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
             prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma, iters=cfg.kmeans_iters,
             tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity,
             out_dtypes=tuple(protected_storage_dtype(xs[i].dtype, cfg) for i in idx),
