@@ -135,7 +135,8 @@ def main():
         stored = {p: sum(f["stored_bytes"][p] for _, f in figures) for p in ("params", "optimizer", "other")}
         print(f"\nAll {len(figures)} saves together (each save's own stored bytes, deltas included):")
         for p in ("params", "optimizer", "other"):
-            print(f"  {p:<9} raw {raw[p]:>11,d} B  stored {stored[p]:>10,d} B  ({raw[p] / max(stored[p], 1):.1f}x)")
+            ratio = f"{raw[p] / stored[p]:.1f}x" if stored[p] else "not stored"
+            print(f"  {p:<9} raw {raw[p]:>11,d} B  stored {stored[p]:>10,d} B  ({ratio})")
         total_raw, total_stored = sum(raw.values()), sum(stored.values())
         print(f"  whole     raw {total_raw:>11,d} B  stored {total_stored:>10,d} B  ({total_raw / total_stored:.2f}x); "
               f"Orbax default stores {orbax_per_save:,d} B per save ({orbax_per_save * len(figures) / total_stored:.2f}x "
