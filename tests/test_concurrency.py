@@ -3,12 +3,10 @@ returns exactly the saved state of that step or fails because the step is gone (
 Orbax's own errors, when the step directory vanishes before the handler runs, vary); never other values."""
 
 import os
-import subprocess
 import sys
 import threading
 import time
 
-import numpy as np
 import orbax.checkpoint as ocp
 
 import inshrink_jax as ij
