@@ -13,16 +13,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import digits  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def trained():
-    tx, ty, vx, vy = digits.load()
-    state = digits.create_state(0)
-    stream = digits.batches(tx, ty, 64, 0)
-    for _ in range(30):
-        state, _, grads = digits.train_step(state, *next(stream))
-    return state, grads, (vx, vy)
-
-
 def manager(path, config=ij.CompressionConfig(), **opts):
     return ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(config),
                                  options=ocp.CheckpointManagerOptions(**opts))
@@ -54,7 +44,7 @@ def assert_moment_on_table(restored, original, meta):
 
 
 def test_train_state_round_trip_through_async_manager(tmp_path, trained):
-    state, grads, (vx, vy) = trained
+    state, grads, (_, _, vx, vy) = trained
     mngr = manager(tmp_path, max_to_keep=2)
     for step in (1, 2, 3):
         mngr.save(step, args=ij.InshrinkSave(state.replace(step=step), grads=grads))

@@ -69,16 +69,6 @@ def test_first_moment_of_a_pruned_weight_is_pruned_with_it():
 
 
 # --------------------------------------------------------------------------------------- through the handler
-@pytest.fixture(scope="module")
-def trained():
-    tx, ty, vx, vy = digits.load()
-    state = digits.create_state(0)
-    stream = digits.batches(tx, ty, 64, 0)
-    for _ in range(40):
-        state, _, grads = digits.train_step(state, *next(stream))
-    return state, grads, (tx, ty, vx, vy)
-
-
 def save_restore(path, state, grads=None, **cfg):
     h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False, **cfg))
     mngr = ocp.CheckpointManager(path, item_handlers=h)
