@@ -195,6 +195,7 @@ def verify(root: str, step: int | None, item: str | None) -> int:
     for s in chosen:
         problems += _verify_step(os.path.join(root, str(s), item))
         progress.step(f"step {s}")
+    problems = list(dict.fromkeys(problems))  # one line per distinct problem
     for p in problems:
         print(f"PROBLEM {p}")
     print(f"{root}: item {item!r}: {len(chosen)} step(s) checked, "

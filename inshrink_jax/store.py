@@ -298,23 +298,23 @@ class _Object:
                 self.entries[(entry["leaf"], box_key(entry["box"]))] = (p, entry)
         self._blobs: dict[tuple, Any] = {}
 
-    def _blob(self, p: int, file: str):
+    def _blob(self, p: int, file: str, leaf: str):
         if (p, file) not in self._blobs:
             path = os.path.join(self.path, blob_name(p, file))
             try:
                 size = os.path.getsize(path)
             except FileNotFoundError:
-                raise _missing(self.directory, path) from None
+                raise _missing(self.directory, f"{path} (read for leaf {leaf})") from None
             expect = self.commit["processes"][p]["blob_bytes" if file == CODES_FILE else "data_bytes"]
             if size != expect:
-                raise CheckpointCorruptError(f"{describe(self.directory)}: {path} has {size} bytes, expected "
-                                             f"{expect} (truncated?)")
+                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: {path} has {size} bytes, "
+                                             f"expected {expect} (truncated?)")
             self._blobs[(p, file)] = np.memmap(path, np.uint8, "r") if size else b""
         return self._blobs[(p, file)]
 
     def segment(self, leaf: str, p: int, seg: dict, name: str) -> bytes:
         file = seg.get("file", CODES_FILE)  # format version 2 kept every segment in blob.<p>
-        data = bytes(self._blob(p, file)[seg["offset"]: seg["offset"] + seg["length"]])
+        data = bytes(self._blob(p, file, leaf)[seg["offset"]: seg["offset"] + seg["length"]])
         if len(data) != seg["length"] or crc32(data) != seg["crc32"]:
             raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} in "
                                          f"{self.path}/{blob_name(p, file)} does not match its checksum "

@@ -64,25 +64,32 @@ def test_verify_passes_on_a_healthy_root(root, capsys):
     assert "3 step(s) checked, all good" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("target", ["blob", "data", "manifest", "index"])
-def test_verify_names_a_flipped_byte_and_fails(root, tmp_path, capsys, target):
+@pytest.mark.parametrize("mode", ["flip", "truncate"])
+@pytest.mark.parametrize("target", ["blob", "data", "index", "object commit", "manifest", "step commit"])
+def test_any_damaged_file_is_named_by_verify_and_restore(root, tmp_path, capsys, target, mode):
     dst = copy(root, tmp_path)
     objects = dst / store.OBJECTS / "default"
     obj = sorted(os.listdir(objects))[0]  # step 0's object: the base of every later step
-    path = {"blob": objects / obj / "blob.0", "data": objects / obj / "data.0",
-            "manifest": dst / "0" / "default" / store.MANIFEST, "index": objects / obj / "index.0.json"}[target]
+    path = {"blob": objects / obj / "blob.0", "data": objects / obj / "data.0", "index": objects / obj / "index.0.json",
+            "object commit": objects / obj / store.COMMIT, "manifest": dst / "0" / "default" / store.MANIFEST,
+            "step commit": dst / "0" / "default" / store.COMMIT}[target]
     raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
+    if mode == "flip":
+        raw[len(raw) // 2] ^= 0x10
+    else:
+        del raw[len(raw) // 2:]
     path.write_bytes(bytes(raw))
     assert cli.main(["verify", str(dst)]) == 1
     out = capsys.readouterr().out
     problems = [l for l in out.splitlines() if l.startswith("PROBLEM")]
-    assert problems and all("step " in p for p in problems)
-    if target == "blob":  # every step's chain goes through step 0's code streams
-        assert {p.split("step ")[1].split(",")[0] for p in problems} == {"0", "1", "2"}
+    steps = {p.split("step ")[1].split(",")[0] for p in problems}
+    # files of step 0's object are read by every step whose chain goes through it; the data file and the step's
+    # own records only by step 0
+    assert steps == ({"0"} if target in ("data", "manifest", "step commit") else {"0", "1", "2"}), problems
+    if target in ("blob", "data"):
         assert all("leaf" in p for p in problems)
-    if target == "data":  # only step 0 reads its own protected values and lossless leaves
-        assert {p.split("step ")[1].split(",")[0] for p in problems} == {"0"}
+    with pytest.raises(store.CheckpointCorruptError, match="step 0, item 'default'"):
+        ij.InshrinkCheckpointHandler().restore(dst / "0" / "default", ij.InshrinkRestore())
 
 
 def test_verify_finds_a_missing_base_object(root, tmp_path, capsys):
