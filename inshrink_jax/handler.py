@@ -32,6 +32,8 @@ from inshrink_jax.config import CompressionConfig, QuantConfig
 
 _OPTIMIZER_NAMES = {"opt_state", "optimizer", "mu", "nu", "trace", "momentum"}
 _QUANTIZABLE = {"float32", "bfloat16", "float16"}
+# Positions of protected values are int32 (jax without x64): a quantized shard must index within it.
+MAX_SHARD_ELEMENTS = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------------------------- tree paths
@@ -179,6 +181,11 @@ def _classify(flat: list, cfg: CompressionConfig) -> tuple[list[dict], list[int]
                             data_shape=list(jax.random.key_data(x).shape))
             elif policy == "drop":
                 meta.update(kind="dropped", dtype=dtype.name)
+            elif quantizable and max(sh.data.size for sh in x.addressable_shards) > MAX_SHARD_ELEMENTS:
+                raise ValueError(f"leaf {keystr}: a shard of {max(sh.data.size for sh in x.addressable_shards):,} "
+                                 f"elements is over the {MAX_SHARD_ELEMENTS:,} a quantized shard can address; shard "
+                                 "the leaf over more devices, or store it losslessly with policy_rules=(("
+                                 f"{re.escape(keystr)!r}, 'lossless'),)")
             elif quantizable and part == "params":
                 meta.update(kind="quantized", method="weights", dtype=dtype.name,
                             layer_type=quantize.layer_type(keystr, x.shape, cfg.layer_type_rules))
