@@ -4,8 +4,8 @@ Thin by design: `async_save` picks the configuration (search.py: candidates enco
 eval_fn called on the caller's thread; or the fixed `CompressionConfig.quant`), dispatches the jitted encoder
 (quantize.py; the search's chosen candidate is reused; optimizer moments by moments.py under their policy)
 and returns without waiting; the commit future starts the device-to-host copies, takes the codes to the
-host, turns them into deltas against
-the previous save's codes (delta.py), entropy-codes (codec.py) and writes one object per save (store.py);
+host, turns them into deltas against the previous save's codes (delta.py), entropy-codes (codec.py) and
+writes one object per save (store.py);
 `finalize` commits it and collects unreferenced objects; `restore` reads, checks, walks delta chains and
 decodes. See DESIGN.md sections 1-4, docs/how-it-works.md and docs/format.md.
 """
@@ -181,8 +181,8 @@ def _classify(flat: list, cfg: CompressionConfig) -> tuple[list[dict], list[int]
                             data_shape=list(jax.random.key_data(x).shape))
             elif policy == "drop":
                 meta.update(kind="dropped", dtype=dtype.name)
-            elif quantizable and max(sh.data.size for sh in x.addressable_shards) > MAX_SHARD_ELEMENTS:
-                raise ValueError(f"leaf {keystr}: a shard of {max(sh.data.size for sh in x.addressable_shards):,} "
+            elif quantizable and int(np.prod(x.sharding.shard_shape(x.shape))) > MAX_SHARD_ELEMENTS:
+                raise ValueError(f"leaf {keystr}: a shard of {int(np.prod(x.sharding.shard_shape(x.shape))):,} "
                                  f"elements is over the {MAX_SHARD_ELEMENTS:,} a quantized shard can address; shard "
                                  "the leaf over more devices, or store it losslessly with policy_rules=(("
                                  f"{re.escape(keystr)!r}, 'lossless'),)")
