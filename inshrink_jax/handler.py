@@ -202,14 +202,28 @@ def _classify(flat: list, cfg: CompressionConfig) -> tuple[list[dict], list[int]
     return leaves_meta, quant_idx
 
 
-def _weight_of(moment_path, quantized: dict[str, int], shape) -> int | None:
-    """Index of the weight a moment leaf belongs to: the one quantized leaf whose key path ends with the
-    moment's path after its moment name (optax mirrors the parameter tree under mu/nu/trace), of equal shape."""
-    names = _names(moment_path)
-    j = max(k for k, n in enumerate(names) if n in moments.MOMENT_NAMES)
-    suffix = jax.tree_util.keystr(tuple(moment_path[j + 1:]))
-    hits = [i for k, (i, s) in quantized.items() if k.endswith(suffix) and s == shape] if suffix else []
-    return hits[0] if len(hits) == 1 else None
+def _tails(path) -> list[str]:
+    """Key-path strings of every non-empty tail of `path`, longest first. Trees that mirror part of the state
+    match its leaves by these: grads mirror the parameters, optax moments mirror them under mu/nu/trace."""
+    return [jax.tree_util.keystr(tuple(path[j:])) for j in range(len(path))]
+
+
+def _owners(flat: list, weight_idx: list[int], moment_idx: list[int]) -> list[int | None]:
+    """For each moment leaf, the position in `weight_idx` of its weight: the one weight of equal shape whose
+    key path ends with the moment's path after its moment name; None if there is no such single weight."""
+    by_tail: dict[str, list[int]] = {}
+    for k, i in enumerate(weight_idx):
+        for tail in _tails(flat[i][0]):
+            by_tail.setdefault(tail, []).append(k)
+    out = []
+    for i in moment_idx:
+        path, x = flat[i]
+        names = _names(path)
+        j = max(n for n, name in enumerate(names) if name in moments.MOMENT_NAMES)
+        hits = [k for k in by_tail.get(jax.tree_util.keystr(tuple(path[j + 1:])), [])
+                if tuple(flat[weight_idx[k]][1].shape) == tuple(x.shape)] if j + 1 < len(path) else []
+        out.append(hits[0] if len(hits) == 1 else None)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ args
@@ -273,7 +287,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         # Device work, dispatched, not waited for: choose the configuration (the search evaluates candidates on
         # the device), encode all quantized leaves (the commit thread starts the copies to the host).
         xs = [flat[i][1] for i in quant_idx]
-        gs = [grads.get(self._match(grads, leaves_meta[i]["keystr"])) for i in quant_idx]
+        gs = [next((grads[t] for t in _tails(flat[i][0]) if t in grads), None) for i in quant_idx]
         layer_types = [leaves_meta[i]["layer_type"] for i in quant_idx]
         quant, devs, record = self._configure(flat, treedef, quant_idx, gs, layer_types, args.eval_fn)
         if quant is None:  # lossless: nothing quantized at this save
@@ -285,8 +299,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             devs = quantize.encode_on_device(xs, gs, layer_types, quant, cfg)
         # Optimizer moments under the "quantize" policy: first moments take their weight's pruning.
         moment_idx = [i for i, m in enumerate(leaves_meta) if m.get("method") == "moments"]
-        weights = {leaves_meta[i]["keystr"]: (k, tuple(flat[i][1].shape)) for k, i in enumerate(quant_idx)}
-        owners = [_weight_of(flat[i][0], weights, tuple(flat[i][1].shape)) for i in moment_idx]
+        owners = _owners(flat, quant_idx, moment_idx)
         devs = list(devs) + moments.encode_on_device(
             [flat[i][1] for i in moment_idx],
             [devs[k].codes if k is not None and _moment_role(flat[i][0]) == "first" else None
@@ -414,14 +427,6 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         if grads is None:
             return {}
         return {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
-
-    @staticmethod
-    def _match(grads: dict, keystr: str):
-        best = None
-        for k in grads:
-            if keystr.endswith(k) and (best is None or len(k) > len(best)):
-                best = k
-        return best
 
     # ----------------------------------------------------------------------------------------------- restore
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
