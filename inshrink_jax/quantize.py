@@ -46,7 +46,8 @@ def layer_type(path: str, shape: Sequence[int], rules: Sequence[tuple[str, str]]
 
     `rules` ((regex, type) pairs, first match on `path` wins) override the default rule:
     < 2 dimensions -> "other" (never pruned); a path part naming an embedding -> "embedding"; a path part naming
-    attention (query/key/value/attn/...) -> "attention"; "conv" in the path or >= 3 dimensions -> "conv";
+    attention (query/key/value/attn/...) -> "attention" (an NNX Variable's trailing `.value` attribute is not a
+    part); "conv" in the path or >= 3 dimensions -> "conv";
     otherwise "dense".
     """
     for pattern, kind in rules:
@@ -54,7 +55,8 @@ def layer_type(path: str, shape: Sequence[int], rules: Sequence[tuple[str, str]]
             return kind
     if len(shape) < 2:
         return "other"
-    parts = [p for p in re.split(r"[/.\[\]'\"()\s,]+", path.lower()) if p]
+    # An NNX Variable's array is reached through `.value` at the end of the key path: not a layer name.
+    parts = [p for p in re.split(r"[/.\[\]'\"()\s,]+", re.sub(r"\.(raw_)?value$", "", path).lower()) if p]
     if any("embed" in p for p in parts):
         return "embedding"
     if any(p in _ATTENTION_WORDS or "attention" in p or "attn" in p for p in parts):

@@ -124,6 +124,10 @@ def test_sharded_encode_is_bit_identical_to_single_device():
         ("params/Embed_0/embedding", (1000, 64), "embedding"),
         ("params/block/mlp/w", (3, 4, 5), "conv"),
         ("params/monkey/kernel", (8, 8), "dense"),
+        ("['model']['hidden']['kernel'].value", (64, 32), "dense"),  # NNX state: `.value` is the Variable's
+        ("['model']['conv1']['kernel'].value", (3, 3, 1, 16), "conv"),
+        ("['model']['attn']['value']['kernel'].value", (64, 4, 16), "attention"),
+        ("['params']['value']['kernel']", (64, 32), "attention"),  # a Linen module named "value" is a part
     ],
 )
 def test_default_layer_type_rule(path, shape, kind):
