@@ -1,10 +1,12 @@
 """Handler vs Orbax's StandardCheckpointer on the same state, in one run: stored bytes, save() blocking time,
 total save time, restore time, as ratios.
 
-Usage: python benchmarks/bench_handler.py [--big-params 5e7] [--out benchmarks/results/handler.md]
+Usage: python benchmarks/bench_handler.py [--sizes 1e6 1e7 1e8] [--depth 9] [--repeats 2]
+           [--out benchmarks/results/handler.md]
 
-States: the digits CNN TrainState (adam) after 200 steps on real data, and a params-only state of --big-params
-float32 parameters (Student-t weights, 4096-wide matrices). inshrink_jax runs with 16 bins, protect 0.5%, no
+States: the digits CNN TrainState (adam) after 200 steps on real data, and params-only states of --sizes
+float32 parameters (Student-t weights, 4096-wide matrices), each also saved as a delta chain to time the restore
+of its deepest delta. inshrink_jax runs with 16 bins, protect 0.5%, no
 pruning, no delta (one keyframe), no configuration search, the default optimizer policy. Each timing is the best of --repeats saves to fresh directories after one
 warm-up save (compilation excluded).
 """
@@ -80,8 +82,8 @@ def params_only_bytes(kind, params, tmp):
 
 
 def chain_restore(state, tmp, depth, repeats):
-    """Restore seconds of a keyframe and of the step `depth` deltas after it (keyframe_every = depth + 1), on
-    states that drift like training weights between checkpoints."""
+    """(restore seconds of a keyframe, of the step `depth` deltas after it (keyframe_every = depth + 1), params
+    bytes per save), on states that drift like training weights between checkpoints."""
     path = os.path.join(tmp, "chain")
     cfg = ij.CompressionConfig(keyframe_every=depth + 1, search=False)
     mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(cfg))
@@ -109,9 +111,19 @@ def chain_restore(state, tmp, depth, repeats):
     return times[0], times[depth], sizes
 
 
+def synthetic(n: int, seed: int = 0) -> dict:
+    """A params-only state of about `n` float32 parameters: four (n / 16384, 4096) Student-t(3) matrices."""
+    rng = np.random.default_rng(seed)
+    rows = max(1, n // 4096 // 4)
+    return {"params": {f"layer{i}": jax.numpy.asarray((rng.standard_t(3, size=(rows, 4096)) * 0.02).astype(np.float32))
+                       for i in range(4)}}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--big-params", type=float, default=5e7)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8],
+                    help="parameter counts of the synthetic params-only states")
+    ap.add_argument("--depth", type=int, default=9, help="deltas after the keyframe in the chain restore")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -121,45 +133,52 @@ def main(argv=None):
     for _ in range(200):
         state, _, _ = digits.train_step(state, *next(stream))
     cnn = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-    n = int(args.big_params)
-    cols = 4096
-    rng = np.random.default_rng(0)
-    big = {"params": {f"layer{i}": jax.numpy.asarray((rng.standard_t(3, size=(rows, cols)) * 0.02).astype(np.float32))
-                      for i, rows in enumerate([n // cols // 4] * 4)}}
-    rows = []
+    states = [("digits CNN TrainState (adam)", cnn, state.params, None)]
+    for n in args.sizes:
+        big = synthetic(int(n))
+        states.append((f"{sum(x.size for x in jax.tree.leaves(big)):,} params", big, big["params"], big))
+    rows, chains = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, st, params in [("digits CNN TrainState (adam)", cnn, state.params),
-                                 (f"{sum(x.size for x in jax.tree.leaves(big)):,} params", big, big["params"])]:
+        for name, st, params, big in states:
             o = measure("orbax", st, tmp, args.repeats)
             i = measure("inshrink", st, tmp, args.repeats)
             po, pi = params_only_bytes("orbax", params, tmp), params_only_bytes("inshrink", params, tmp)
-            rows.append((name, o, i, po, pi))
+            n = sum(x.size for x in jax.tree.leaves(params))
+            rows.append((name, n, o, i, po, pi))
             print(name, "orbax", o, "inshrink", i, "params bytes", po, pi, flush=True)
-        t_key, t_deep, chain_sizes = chain_restore(big, tmp, 9, args.repeats)
-        print("chain restore", t_key, t_deep, chain_sizes, flush=True)
+            if big is not None:
+                t_key, t_deep, sizes = chain_restore(big, tmp, args.depth, args.repeats)
+                chains.append((name, n, o[3], t_key, t_deep, sizes))
+                print("chain restore", t_key, t_deep, sizes, flush=True)
+            del st, params, big
     lines = ["# Handler vs ocp.StandardCheckpointer (same state, same run)", "",
              f"Command: `python benchmarks/bench_handler.py {' '.join(sys.argv[1:])}`".rstrip(), "",
              "inshrink_jax: 16 bins, protect 0.5%, no pruning, one keyframe (the first save of a run), no search; "
              "optimizer state under the default policy (drop: Adam's moments are not stored); small leaves "
              "lossless. Sizes are whole step directories (metadata included). Times: best of "
              f"{args.repeats} after a warm-up, 2-core CPU; ratio = Orbax / inshrink_jax (> 1: inshrink_jax smaller "
-             "or faster).", "",
+             "or faster). Synthetic states: four 4096-column float32 matrices of Student-t(3) weights.", "",
              "| state | Orbax bytes | inshrink bytes | size ratio | params-only ratio | blocking s (Orbax / ours) "
-             "| of ours, in the handler's async_save | total save s (Orbax / ours) | restore s (Orbax / ours) |",
-             "|---|---:|---:|---:|---:|---|---:|---|---|"]
-    for name, o, i, po, pi in rows:
+             "| of ours, in the handler's async_save | total save s (Orbax / ours) | ours: save ns/param | "
+             "restore s (Orbax / ours) | ours: restore ns/param |",
+             "|---|---:|---:|---:|---:|---|---:|---|---:|---|---:|"]
+    for name, n, o, i, po, pi in rows:
         lines.append(f"| {name} | {o[0]:,} | {i[0]:,} | {o[0] / i[0]:.2f}x | {po / pi:.2f}x | "
                      f"{o[1]:.3f} / {i[1]:.3f} ({o[1] / i[1]:.2f}x) | {i[4]:.3f} | "
-                     f"{o[2]:.3f} / {i[2]:.3f} ({o[2] / i[2]:.2f}x) | {o[3]:.3f} / {i[3]:.3f} ({o[3] / i[3]:.2f}x) |")
+                     f"{o[2]:.3f} / {i[2]:.3f} ({o[2] / i[2]:.2f}x) | {i[2] / n * 1e9:.1f} | "
+                     f"{o[3]:.3f} / {i[3]:.3f} ({o[3] / i[3]:.2f}x) | {i[3] / n * 1e9:.1f} |")
     lines += ["", "## Restore time along a delta chain", "",
-              f"The {sum(x.size for x in jax.tree.leaves(big)):,}-parameter state saved 10 times with "
-              "keyframe_every=10 (each save drifts every weight by 1e-3 of its tensor's std): restore of the "
-              "keyframe (step 0) and of the deepest delta (step 9, nine deltas applied), into the saved layout, "
-              f"best of {args.repeats} with a fresh manager each time.", "",
-              "| restore keyframe s | restore depth-9 delta s | ratio (deep / keyframe) | params bytes per save "
-              "(keyframe, then deltas) |", "|---:|---:|---:|---|",
-              f"| {t_key:.3f} | {t_deep:.3f} | {t_deep / t_key:.2f}x | "
-              f"{', '.join(f'{b:,}' for b in chain_sizes)} |"]
+              f"Each synthetic state saved {args.depth + 1} times with keyframe_every={args.depth + 1} (each save "
+              "drifts every weight by 1e-3 of its tensor's std): restore of the keyframe (step 0) and of the "
+              f"deepest delta (step {args.depth}, {args.depth} deltas applied), into the saved layout, best of "
+              f"{args.repeats} with a fresh manager each time, against Orbax's restore of the same state (table "
+              "above).", "",
+              f"| state | Orbax restore s | ours: keyframe s | ours: depth-{args.depth} delta s | Orbax / deep | "
+              "deep / keyframe | ours: deep ns/param | params bytes per save (keyframe, then deltas) |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, n, t_orbax, t_key, t_deep, sizes in chains:
+        lines.append(f"| {name} | {t_orbax:.3f} | {t_key:.3f} | {t_deep:.3f} | {t_orbax / t_deep:.2f}x | "
+                     f"{t_deep / t_key:.2f}x | {t_deep / n * 1e9:.1f} | {', '.join(f'{b:,}' for b in sizes)} |")
     report.emit(lines, args.out)
 
 
