@@ -156,8 +156,11 @@ class Inshrink:
     def save(self, mngr, step, state, ema, eval_fn):
         mngr.save(step, args=ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
 
-    def params_bytes(self, mngr, step):
-        return mngr.item_metadata(step)["stored_bytes"]["params"]
+    def figures(self, mngr, step):
+        """This save's stored parameter bytes, keyframe or delta, and the configuration the search chose."""
+        f = mngr.item_metadata(step)
+        return dict(params=f["stored_bytes"]["params"], kind=f["kind"], chosen=f["search"].get("chosen"),
+                    search_degradation=f["search"].get("degradation"))
 
     def restore(self, mngr, step, like):
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -178,8 +181,8 @@ class Baseline:
     def save(self, mngr, step, state, ema, eval_fn):
         self.fmt.save(mngr, step, state)
 
-    def params_bytes(self, mngr, step):
-        return dir_bytes(os.path.join(self.root, str(step), "params"))
+    def figures(self, mngr, step):
+        return dict(params=dir_bytes(os.path.join(self.root, str(step), "params")))
 
     def restore(self, mngr, step, like):
         return self.fmt.restore(mngr, step, like)
@@ -239,8 +242,8 @@ def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
             now = files(root)
             written = sum(n for p, n in now.items() if seen.get(p) != n)
             seen = now
-            saves[step] = dict(params=meth.params_bytes(mngr, step), written=written, blocking=t_block,
-                               sync=t_sync, eval_loss=float(eval_fn(state)))
+            saves[step] = dict(**meth.figures(mngr, step), written=written, blocking=t_block, sync=t_sync,
+                               eval_loss=float(eval_fn(state)))
         if pending and step == pending[0]:
             pending.pop(0)
             mngr.close()  # the process dies: nothing of it survives but the checkpoint directory

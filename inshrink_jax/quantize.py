@@ -169,11 +169,24 @@ def _encode_group(xs, gs, bins, use_sensitivity, protect_fraction, prune_fractio
     return codes, [jnp.where(used, c, 0.0) for c in centres], in_place
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _dequantize(codes, centres, protected_in_place, bins, *, dtype):
+def _dequantize_one(codes, centres, protected_in_place, bins, dtype):
     table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
     values = table[jnp.minimum(codes, centres.shape[0] + 1)]
     return jnp.where(codes == bins + 1, protected_in_place.astype(dtype), values.astype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("dtypes",))
+def _dequantize(codes, centres, protected_in_place, bins, *, dtypes):
+    return [_dequantize_one(*args, dtype) for *args, dtype in zip(codes, centres, protected_in_place, bins, dtypes)]
+
+
+def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.Array]:
+    """`DeviceCodes.dequantize` of many tensors in one jitted call (one dispatch for a whole candidate of the
+    search, not one per tensor)."""
+    if not devs:
+        return []
+    return _dequantize([d.codes for d in devs], [d.centres for d in devs], [d.protected_in_place for d in devs],
+                       np.asarray([d.bins for d in devs], np.int32), dtypes=tuple(jnp.dtype(t) for t in dtypes))
 
 
 def _padded(positions: np.ndarray, fill: int) -> np.ndarray:
@@ -202,8 +215,7 @@ class DeviceCodes(NamedTuple):
     def dequantize(self, dtype) -> jax.Array:
         """What a restore gives back, computed on the device(s) with the codes' sharding: pruned -> 0,
         quantized -> centre, protected -> its stored value, in `dtype`."""
-        return _dequantize(self.codes, self.centres, self.protected_in_place, jnp.int32(self.bins),
-                           dtype=jnp.dtype(dtype))
+        return dequantize_all([self], [dtype])[0]
 
     def start_copy_to_host(self) -> None:
         """Start the device-to-host copies of this process's shards (non-blocking)."""

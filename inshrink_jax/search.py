@@ -352,7 +352,7 @@ class Evaluator:
         encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg) for q in quants]
         scores = []
         for devs in encoded:
-            deq = [d.dequantize(x.dtype) for d, x in zip(devs, self.xs)]
+            deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
             if self.eval_fn is None:
                 scores.append(proxy_degradation(self.xs, deq, self.gs))
             else:
