@@ -23,7 +23,9 @@ initialization and data order).
 
 Methods (baselines.py has the baseline formats):
   orbax, bf16, qd8, cnr4          Orbax's default, bf16 cast, QD-Compressor-like, Check-N-Run-like
-  inshrink-0.05, inshrink-0.01    inshrink_jax defaults (search on, optimizer state dropped) at that epsilon
+  inshrink-0.05, inshrink-0.01    inshrink_jax defaults (search on, optimizer state dropped) at that epsilon;
+                                  the eval_fn is the held-out loss
+  inshrink-acc-0.05, -acc-0.01    the same with the held-out accuracy as the eval_fn (higher_is_better=True)
   inshrink-opt-POLICY             epsilon 0.05 with optimizer=POLICY (lossless, quantize, quantize8 = 8 moment
                                   levels per sign, drop-mu = nu quantized and mu dropped by a policy rule)
 
@@ -65,7 +67,7 @@ OPT_POLICIES = {
     "quantize8": dict(optimizer="quantize", moment_bins=8),
     "drop-mu": dict(optimizer="quantize", policy_rules=((r"\.mu\b", "drop"),)),
 }
-METHODS = (["orbax", "bf16", "qd8", "cnr4", "inshrink-0.05", "inshrink-0.01"]
+METHODS = (["orbax", "bf16", "qd8", "cnr4", "inshrink-0.05", "inshrink-0.01", "inshrink-acc-0.05", "inshrink-acc-0.01"]
            + [f"inshrink-opt-{p}" for p in OPT_POLICIES])
 
 
@@ -148,6 +150,7 @@ class Inshrink:
 
     def __init__(self, name: str, epsilon: float, **config):
         self.name, self.cfg = name, ij.CompressionConfig(epsilon=epsilon, **config)
+        self.metric = "accuracy" if self.cfg.higher_is_better else "loss"
 
     def manager(self, root):
         return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(self.cfg),
@@ -171,6 +174,8 @@ class Inshrink:
 class Baseline:
     """A baselines.Baseline format in the same loop (no gradients, no eval_fn)."""
 
+    metric = "loss"  # not used: no search
+
     def __init__(self, name: str):
         self.name, self.fmt = name, baselines.Baseline(name)
 
@@ -191,6 +196,8 @@ class Baseline:
 def method(name: str):
     if name.startswith("inshrink-opt-"):
         return Inshrink(name, 0.05, **OPT_POLICIES[name[len("inshrink-opt-"):]])
+    if name.startswith("inshrink-acc-"):
+        return Inshrink(name, float(name[len("inshrink-acc-"):]), higher_is_better=True)
     if name.startswith("inshrink-"):
         return Inshrink(name, float(name[len("inshrink-"):]))
     return Baseline(name)
@@ -214,7 +221,12 @@ def reference(work, steps: int, every: int) -> dict:
 
 def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
     """Train with checkpoints and failures; per-save figures, final quality, timings."""
-    eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+    curve_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+    if meth.metric == "accuracy":
+        x, y = work.eval
+        eval_fn = jax.jit(lambda s: jnp.mean(jnp.argmax(s.apply_fn({"params": s.params}, x), -1) == y))
+    else:
+        eval_fn = curve_fn
     sens = ij.GradientEMA(every=every)
     root = tempfile.mkdtemp()
     like = work.create_state()
@@ -243,7 +255,7 @@ def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
             written = sum(n for p, n in now.items() if seen.get(p) != n)
             seen = now
             saves[step] = dict(**meth.figures(mngr, step), written=written, blocking=t_block, sync=t_sync,
-                               eval_loss=float(eval_fn(state)))
+                               eval_loss=float(curve_fn(state)))
         if pending and step == pending[0]:
             pending.pop(0)
             mngr.close()  # the process dies: nothing of it survives but the checkpoint directory
@@ -352,8 +364,9 @@ def main(argv=None):
              f"Command: `{cmd}`", "",
              f"{work.describe(steps)}. A checkpoint every {every} steps; failures after steps "
              f"{', '.join(map(str, failures))}, each resumed by a new manager and handler. inshrink_jax: "
-             "GradientEMA sensitivity and the configuration search with the eval_fn, keeping 3 steps; baselines "
-             "keep every step (a qd8 delta needs its chain).", "",
+             "GradientEMA sensitivity and the configuration search with the eval_fn (inshrink-acc-*: the accuracy "
+             "on the eval_fn's held-out set instead of its loss), keeping 3 steps; baselines keep every step (a qd8 "
+             "delta needs its chain).", "",
              f"Uninterrupted reference without checkpoints (seed 0, the runs' seed): {work.metric} "
              f"**{ref['quality'][0]:.4f}**" + (f", loss {ref['quality'][1]:.4f}" if loss_cols else "")
              + f", {ref['seconds']:.0f} s of training. Noise floor, the same run with seed 1 (other initialization "

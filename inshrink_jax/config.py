@@ -122,7 +122,7 @@ class CompressionConfig:
         is dropped with it, so Adam's bias correction restarts with its moments), "quantize" (sign kept,
         log-domain levels, `moment_bins` per sign, exact zeros kept; the first moment of a pruned weight is
         pruned with it) or "lossless" (bit-exact). The default is the policy with the largest whole-checkpoint
-        ratio that kept final quality within 1% over 10 resumes in benchmarks/results/fault_tolerance.md;
+        ratio that kept final quality within 1% over 10 resumes in benchmarks/results/fault_tolerance_mnist.md;
         docs/how-it-works.md says what that benchmark does and does not show.
       moment_bins: log-magnitude levels per sign of a quantized moment (in [2, 127]).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
