@@ -76,6 +76,7 @@ class Baseline:
             raise ValueError(f"unknown baseline {name!r}")
         self.name, self.cycle = name, cycle
         self._prev = None  # qd8: (step index in the cycle, dequantized parameters of the previous save)
+        self._last_step = None  # qd8: the step of the previous save (a delta's base)
 
     def manager(self, root: str) -> ocp.CheckpointManager:
         # Every step is kept: a qd8 delta needs the saves back to its keyframe (the ratio counts every save).
