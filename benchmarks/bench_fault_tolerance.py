@@ -133,14 +133,6 @@ class CharLM:
         return loss, loss
 
 
-def files(root: str) -> dict[str, int]:
-    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs}
-
-
-def dir_bytes(path: str) -> int:
-    return sum(files(path).values())
-
-
 def nbytes(tree) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
 
@@ -166,9 +158,7 @@ class Inshrink:
                     search_degradation=f["search"].get("degradation"))
 
     def restore(self, mngr, step, like):
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                                if isinstance(x, jax.Array) else x, like)
-        return mngr.restore(step, args=ij.InshrinkRestore(abstract))
+        return mngr.restore(step, args=ij.InshrinkRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, like)))
 
 
 class Baseline:
@@ -187,7 +177,7 @@ class Baseline:
         self.fmt.save(mngr, step, state)
 
     def figures(self, mngr, step):
-        return dict(params=dir_bytes(os.path.join(self.root, str(step), "params")))
+        return dict(params=report.dir_bytes(os.path.join(self.root, str(step), "params")))
 
     def restore(self, mngr, step, like):
         return self.fmt.restore(mngr, step, like)
@@ -251,7 +241,7 @@ def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
             mngr.wait_until_finished()
             t_sync = time.perf_counter() - t
             blocking, synchronous = blocking + t_block, synchronous + t_sync
-            now = files(root)
+            now = report.files(root)
             written = sum(n for p, n in now.items() if seen.get(p) != n)
             seen = now
             saves[step] = dict(**meth.figures(mngr, step), written=written, blocking=t_block, sync=t_sync,

@@ -34,10 +34,6 @@ import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 FIXED = ij.CompressionConfig(search=False)  # the pipeline's own cost; bench_search.py measures the search
 
 
-def dir_bytes(path):
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
-
-
 def measure(kind, state, tmp, repeats):
     """(stored bytes, blocking s, total s, restore s, blocking s inside the handler's async_save) for 'orbax' or
     'inshrink' (the last is None for Orbax)."""
@@ -60,7 +56,7 @@ def measure(kind, state, tmp, repeats):
         t2 = time.perf_counter()
         jax.block_until_ready(mngr.restore(0, args=restore_args))
         t3 = time.perf_counter()
-        size = dir_bytes(path)  # the whole root: inshrink_jax keeps the step's data beside the step directory
+        size = report.dir_bytes(path)  # the whole root: inshrink_jax keeps the step's data beside the step directory
         if rep:  # rep 0 is the warm-up
             best = [min(b, t) for b, t in zip(best, (t1 - t0, t2 - t0, t3 - t2))]
             if kind != "orbax":  # the handler's own part of save() (its per-save figures record it)
@@ -76,7 +72,7 @@ def params_only_bytes(kind, params, tmp):
             else ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(FIXED)))
     mngr.save(0, args=ocp.args.StandardSave(params) if kind == "orbax" else ij.InshrinkSave(params))
     mngr.wait_until_finished()
-    size = dir_bytes(path)
+    size = report.dir_bytes(path)
     shutil.rmtree(path)
     return size
 

@@ -20,7 +20,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +65,6 @@ def reference_run(data, root):
 
 def inshrink_run(data, root):
     train_x, train_y, _, _, (eval_x, eval_y) = data
-    eval_x, eval_y = jnp.asarray(eval_x), jnp.asarray(eval_y)  # fixed held-out eval batches
     eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, eval_x, eval_y))
     sens = ij.GradientEMA(every=EVERY)
 
@@ -107,9 +105,9 @@ def inshrink_run(data, root):
 
 
 def main():
-    train_x, train_y, test_x, test_y = digits.load()
     # 300 training digits are held out as the eval_fn's batches (validation loss), never trained on.
-    data = (train_x[300:], train_y[300:], test_x, test_y, (train_x[:300], train_y[:300]))
+    train_x, train_y, held_out, test_x, test_y = digits.load_with_eval()
+    data = (train_x, train_y, test_x, test_y, held_out)
     tmp = tempfile.mkdtemp()
     try:
         print(f"Training the digits CNN for {STEPS} steps, a checkpoint every {EVERY}, keeping {KEEP}.")

@@ -35,6 +35,13 @@ def load(seed: int = 0):
     return x[300:], y[300:], x[:300], y[:300]
 
 
+def load_with_eval(seed: int = 0):
+    """(train_x, train_y, (eval_x, eval_y), test_x, test_y): `load` with 300 training digits held out, never
+    trained on, as the eval_fn's batches (jax arrays)."""
+    train_x, train_y, test_x, test_y = load(seed)
+    return train_x[300:], train_y[300:], (jnp.asarray(train_x[:300]), jnp.asarray(train_y[:300])), test_x, test_y
+
+
 def create_state(seed: int = 0, learning_rate: float = 1e-3) -> train_state.TrainState:
     model = CNN()
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, 8, 8, 1)))["params"]

@@ -12,31 +12,23 @@ shutdown): run it with that, then without, and the second run resumes.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import digits  # noqa: E402
+import loop_cli  # noqa: E402
 
 import inshrink_jax as ij  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", required=True, help="checkpoint directory (a CheckpointManager root)")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--every", type=int, default=50)
-    ap.add_argument("--crash-at", type=int, default=None, help="end the process abruptly after this step")
-    args = ap.parse_args(argv)
+    args = loop_cli.parse_args(__doc__, argv)
 
-    train_x, train_y, test_x, test_y = digits.load()
-    eval_x, eval_y = jnp.asarray(train_x[:300]), jnp.asarray(train_y[:300])  # held out: never trained on
-    train_x, train_y = train_x[300:], train_y[300:]
+    train_x, train_y, (eval_x, eval_y), test_x, test_y = digits.load_with_eval()
     # The eval_fn gets a TrainState whose compressed leaves are replaced by their dequantized values.
     eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, eval_x, eval_y))
 
@@ -63,15 +55,8 @@ def main(argv=None):
             ema = sens.update(ema, grads)
         if step % args.every == 0:
             mngr.save(step, args=ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
-            mngr.wait_until_finished()  # only to print this save's figures; training does not need it
-            f = mngr.item_metadata(step)
-            q = f["search"]["chosen"]
-            chosen = q if q == "lossless" else f"{q['bins']} bins, prune {q['prune_fraction']:.0%}"
-            print(f"step {step}: loss {float(loss):.4f}; checkpoint {f['kind']}, {chosen}, params "
-                  f"{f['ratio']['params']:.1f}x, whole {f['ratio']['total']:.1f}x smaller")
-        if step == args.crash_at:
-            print(f"simulated crash after step {step}")
-            os._exit(1)  # no cleanup, no waiting: like a killed process
+            loop_cli.report_save(mngr, step, loss)
+        loop_cli.maybe_crash(step, args.crash_at)
     mngr.close()
     print(f"test accuracy after {args.steps} steps: {digits.accuracy(state.params, state.apply_fn, test_x, test_y):.4f}")
 
