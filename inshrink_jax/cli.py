@@ -87,6 +87,7 @@ def _summary(directory: str) -> dict:
                if k in m} for m in reader.manifest["leaves"]]
     return {"directory": directory, "object": reader.object_id, "bases": reader.own.commit["bases"],
             "objects": sorted(reader.commit["objects"]), "leaves": leaves,
+            "base_checkpoint": (reader.manifest.get("base") or {}).get("directory"),
             "config": reader.manifest["config"], **figs}
 
 
@@ -132,6 +133,8 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
         f = out[step]
         print(f"\nstep {step}: object {f['object']}, delta bases {f['bases'] or 'none (keyframe)'}; search "
               f"{f['search'].get('mode')}; sensitivity: {f['sensitivity']}")
+        if f["base_checkpoint"]:
+            print(f"  weights stored as deltas against the base checkpoint {f['base_checkpoint']}")
         print(f"  raw bytes {f['raw_bytes']}, stored bytes {f['stored_bytes']}")
         print(f"  blocking {f['blocking_seconds']:.3f} s, total {f['total_seconds']:.3f} s")
         for m in f["leaves"]:

@@ -28,6 +28,7 @@ from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 
 from inshrink_jax import codec, delta, moments, quantize, search, store
+from inshrink_jax.base import BaseCheckpoint
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 _OPTIMIZER_NAMES = {"opt_state", "optimizer", "mu", "nu", "trace", "momentum"}
@@ -245,11 +246,20 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
     of a composite checkpoint through a handler registry. The instance remembers the codes of its last save (or
     of the last restore) so the next save stores only their change (a delta); a new instance, e.g. after a
     restart, starts with a keyframe unless it restored first.
+
+    Args:
+      config: the compression configuration (defaults: the paper's).
+      base: a committed step of another root (`<root>/<step>`, or its item directory) that this handler's saves
+        store their weights as deltas against where they would otherwise write a keyframe: fine-tunes of a
+        compressed pretrained checkpoint (base.py). Weights are matched to the base's by key-path tail and
+        shape. Restoring such a step needs the base, unchanged, where it was: otherwise a clear error.
+      multiprocessing_options: Orbax's; `primary_host` writes the manifest and commits.
     """
 
-    def __init__(self, config: CompressionConfig | None = None, *,
+    def __init__(self, config: CompressionConfig | None = None, *, base=None,
                  multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions()):
         self.config = config or CompressionConfig()
+        self.base = None if base is None else BaseCheckpoint(base)
         self._primary_host = multiprocessing_options.primary_host or 0
         self.last_figures: dict | None = None
         # The configuration of the last save (or restore): the search never picks a more aggressive one.
@@ -283,6 +293,13 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         root, item, step = store.locate(directory)
         base = self._delta_base(root, item)
         object_id = store.new_object_id(root, item, step)
+        base_of: dict[int, str] = {}  # leaf -> its weight in the base checkpoint
+        base_ref = None
+        if self.base is not None:
+            self.base.check(directory)
+            base_ref = self.base.ref_from(root, item)
+            base_of = {i: b for i in quant_idx
+                       if (b := self.base.match(leaves_meta[i]["path"], leaves_meta[i]["shape"])) is not None}
 
         # Device work, dispatched, not waited for: choose the configuration (the search evaluates candidates on
         # the device), encode all quantized leaves (the commit thread starts the copies to the host).
@@ -334,6 +351,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                     "object": object_id, "config": _config_json(cfg),
                     "quant": None if quant is None else dataclasses.asdict(quant),
                     "leaves": leaves_meta, "raw_bytes": raw, "search": record,
+                    "base": None if self.base is None else self.base.describe(),
                     "sensitivity": (f"gradient EMA on {sum(g is not None for g in gs)} of {len(gs)} quantized leaves"
                                     if grads else "magnitude (no grads given)")}
         process = jax.process_index()
@@ -347,10 +365,15 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                 return {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})}, None
             enc = quantize.to_host(*payload, meta["dtype"])
             prev = base.codes.get((meta["keystr"], store.box_key(box))) if base is not None else None
+            ext = self.base.codes(base_of[i], box) if i in base_of else None  # the base checkpoint's codes
             if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every:
                 b = delta.modulus(prev[1], enc.bins)
                 stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": base.object_id,
                                                                              "modulus": b}, prev[2] + 1
+            elif ext is not None and ext[0].shape == enc.codes.shape and ext[2] + 1 < cfg.keyframe_every:
+                b = delta.modulus(ext[1], enc.bins)
+                stream, depth = delta.encode(ext[0], enc.codes, b), ext[2] + 1
+                extra = {"base": base_ref, "modulus": b, "base_leaf": base_of[i], "base_box": ext[3]}
             else:
                 stream, extra, depth = enc.codes, {}, 0
             segments = {
@@ -419,7 +442,9 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
     def finalize(self, directory) -> None:
         # Runs once on the primary host after every process finished writing, before Orbax's rename.
         manifest, _ = store.read_json(os.path.join(directory, store.MANIFEST), "manifest", directory)
-        record = store.finalize(directory, manifest["object"], manifest["process_count"])
+        base = manifest.get("base")
+        record = store.finalize(directory, manifest["object"], manifest["process_count"],
+                                expected={base["object"]: base["commit_crc32"]} if base else None)
         self.last_figures = figures_from(manifest, record)
 
     @staticmethod

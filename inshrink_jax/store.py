@@ -36,7 +36,8 @@ import numpy as np
 from inshrink_jax import codec, delta
 
 FORMAT = "inshrink_jax"
-FORMAT_VERSION = 4  # 4: leaves of kind "dropped"; quantized leaves of method "moments"
+FORMAT_VERSION = 5  # 4: leaves of kind "dropped"; quantized leaves of method "moments"
+# 5: delta bases in another root's store (absolute object paths), with the base's leaf name and shard box
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 OBJECTS = "inshrink_objects"
@@ -75,6 +76,24 @@ def _missing(directory, what: str) -> CheckpointCorruptError:
 
 def objects_dir(root: str, item: str) -> str:
     return os.path.join(root, OBJECTS, item)
+
+
+def object_path(root: str, item: str, ref: str) -> str:
+    """Directory of the object `ref`: a name in this root's store, or the absolute path of an object in another
+    root's store (the base checkpoint a fine-tune's deltas build on, `InshrinkCheckpointHandler(base=...)`)."""
+    return ref if os.path.isabs(ref) else os.path.join(objects_dir(root, item), ref)
+
+
+def is_external(ref: str) -> bool:
+    """Whether an object reference points into another root's store."""
+    return os.path.isabs(ref)
+
+
+def _requalify(ref: str, referrer: str, own_store: str) -> str:
+    """`ref`, read from a record of the object at `referrer`, as a reference from a step whose store is
+    `own_store`: names are relative to the store that holds the record."""
+    path = os.path.normpath(ref if os.path.isabs(ref) else os.path.join(os.path.dirname(referrer), ref))
+    return os.path.basename(path) if os.path.dirname(path) == os.path.normpath(own_store) else path
 
 
 def crc32(data: bytes) -> int:
@@ -129,7 +148,7 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
 # ------------------------------------------------------------------------------------------------- objects
 def is_committed(root: str, item: str, object_id: str) -> bool:
     """Whether `object_id` was finalized (its commit record exists): only such objects are delta bases."""
-    return os.path.exists(os.path.join(objects_dir(root, item), object_id, COMMIT))
+    return os.path.exists(os.path.join(object_path(root, item, object_id), COMMIT))
 
 
 def new_object_id(root: str, item: str, step: str) -> str:
@@ -183,13 +202,14 @@ class BlobWriter:
                     "data_bytes": self._offset[DATA_FILE], "entries": self.entries, "figures": figures})
 
 
-def finalize(directory, object_id: str, process_count: int) -> dict:
+def finalize(directory, object_id: str, process_count: int, expected: dict[str, int] | None = None) -> dict:
     """Commit one save (primary host, after every process wrote): check each process's blob and index, check
     that every object its deltas build on is committed, write the object's and the step's commit records, then
     collect unreferenced objects. Returns the object's commit record.
 
-    Raises CheckpointCorruptError if a process's files or a delta base are missing: the save then fails and
-    Orbax does not list the step.
+    Raises CheckpointCorruptError if a process's files or a delta base are missing, or if a base in `expected`
+    (object path -> CRC32 of its commit record, as the handler read it) changed: the save then fails and Orbax
+    does not list the step.
     """
     root, item, _ = locate(directory)
     path = os.path.join(objects_dir(root, item), object_id)
@@ -206,11 +226,16 @@ def finalize(directory, object_id: str, process_count: int) -> dict:
                                     "data_bytes": index["data_bytes"], "figures": index["figures"]})
         bases.update(s["base"] for e in index["entries"] for s in e["segments"].values() if "base" in s)
     closure: dict[str, int] = {}
+    own_store = os.path.abspath(objects_dir(root, item))
     for b in sorted(bases):
-        base_record, raw = read_json(os.path.join(objects_dir(root, item), b, COMMIT),
-                                     f"commit record of delta base {b}", directory)
+        base_path = object_path(root, item, b)
+        base_record, raw = read_json(os.path.join(base_path, COMMIT), f"commit record of delta base {b}", directory)
         closure[b] = crc32(raw)
-        closure.update(base_record["closure"])
+        if expected and os.path.abspath(base_path) in expected and expected[os.path.abspath(base_path)] != closure[b]:
+            raise CheckpointCorruptError(f"{describe(directory)}: the base checkpoint object {base_path} changed while "
+                                         "this step was saved against it; the save did not complete")
+        closure.update({_requalify(k, os.path.abspath(base_path), own_store): v
+                        for k, v in base_record["closure"].items()})
     record["bases"] = sorted(bases)
     record["closure"] = closure
     raw = write_json(os.path.join(path, COMMIT), record)
@@ -256,7 +281,9 @@ def collect_garbage(root: str, item: str, current=None, dry_run: bool = False, k
         return [], []
     gone = sorted(n for n in names if n not in refs and not (keep_uncommitted and not is_committed(root, item, n)))
     files = []
-    for n in sorted(refs - own):  # a delta base whose own step is gone: its code streams are all that is read
+    for n in sorted(r for r in refs - own if not is_external(r)):
+        # a delta base whose own step is gone: its code streams are all that is read. (Objects of another root,
+        # the base of fine-tunes, belong to that root: never touched here.)
         path = os.path.join(objects_dir(root, item), n)
         for f in sorted(os.listdir(path)) if os.path.isdir(path) else []:
             if f.startswith(DATA_FILE + "."):
@@ -276,16 +303,34 @@ class _Object:
     def __init__(self, root: str, item: str, object_id: str, record_crc: int, directory):
         self.id = object_id
         self.directory = directory
-        self.path = os.path.join(objects_dir(root, item), object_id)
+        self.path = object_path(root, item, object_id)
+        external = is_external(object_id)
         if not os.path.isdir(self.path):
             if not os.path.isdir(os.fspath(directory)):
                 raise _missing(directory, f"object {object_id}")
+            if external:
+                raise CheckpointCorruptError(
+                    f"{describe(directory)}: is stored as a delta against a base checkpoint in another directory, "
+                    f"and needs its object {self.path}, which is missing: the base was deleted or moved. Put the "
+                    "base checkpoint back where it was; this step cannot be restored without it.")
             raise CheckpointCorruptError(
                 f"{describe(directory)}: needs object {object_id} ({self.path}), which is missing; it was deleted "
                 "outside inshrink_jax. This step cannot be restored; restore another step.")
-        self.commit, raw = read_json(os.path.join(self.path, COMMIT), f"commit record of object {object_id}",
-                                     directory)
+        try:
+            self.commit, raw = read_json(os.path.join(self.path, COMMIT), f"commit record of object {object_id}",
+                                         directory)
+        except CheckpointCorruptError:
+            if external and not os.path.exists(os.path.join(self.path, COMMIT)):
+                raise CheckpointCorruptError(
+                    f"{describe(directory)}: the base checkpoint object {self.path} it is a delta against has no "
+                    "commit record: the base was deleted or replaced. Put the base checkpoint back.") from None
+            raise
         if crc32(raw) != record_crc:
+            if external:
+                raise CheckpointCorruptError(
+                    f"{describe(directory)}: the base checkpoint object {self.path} it is a delta against has "
+                    "changed since this step was saved (its commit record differs: a different checkpoint was "
+                    "saved there). This step decodes only against the base it was saved with.")
             raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
                                          "match the step's commit record (file replaced or corrupted)")
         self.entries: dict[tuple, tuple[int, dict]] = {}
@@ -364,30 +409,40 @@ class Reader:
     def codes(self, leaf: str, box) -> tuple[np.ndarray, int]:
         """(uint8 codes, chain depth) of one shard of this step, walking its delta chain back to the keyframe.
 
+        A delta against a base checkpoint of another root names the base's leaf and the base shard that holds
+        its box (`base_leaf`, `base_box`): the walk goes on there, and the base's codes are cut to the box.
         Only the step's own result is cached (a shard may overlap several target boxes), not the chain's."""
         key = (leaf, box_key(box))
         if key in self.codes_cache:
             return self.codes_cache[key]
-        shape = [b[1] - b[0] for b in box]
         chain, object_id = [], self.object_id
         while True:  # back to the keyframe
             obj = self.object(object_id)
-            found = obj.entries.get(key)
+            found = obj.entries.get((leaf, box_key(box)))
             if found is None:
-                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: object {object_id} has no "
-                                             f"shard {box} (a delta chain is broken)")
+                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {key[0]}: object {object_id} has "
+                                             f"no shard {box} of leaf {leaf} (a delta chain is broken)")
             seg = found[1]["segments"]["codes"]
-            chain.append((obj, found[0], seg))
+            chain.append((obj, found[0], seg, leaf, box))
             if "base" not in seg:
                 break
-            object_id = seg["base"]
-        codes = None
-        for obj, p, seg in reversed(chain):
+            object_id, leaf, box = seg["base"], seg.get("base_leaf", leaf), seg.get("base_box", box)
+        codes, held = None, None
+        for obj, p, seg, leaf, box in reversed(chain):
+            shape = [b[1] - b[0] for b in box]
             stream = np.frombuffer(codec.decompress(obj.segment(leaf, p, seg, "codes"), seg["codec"]), np.uint8)
             if stream.size != int(np.prod(shape)):
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: codes of shard {box} in "
                                              f"object {obj.id} hold {stream.size} values, expected "
                                              f"{int(np.prod(shape))}")
-            codes = stream.reshape(shape) if codes is None else delta.decode(codes, stream, seg["modulus"])
+            if codes is None:
+                codes = stream.reshape(shape)
+            else:
+                if any(b[0] < h[0] or b[1] > h[1] for b, h in zip(box, held)):
+                    raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: delta shard {box} in "
+                                                 f"object {obj.id} lies outside its base shard {held}")
+                codes = delta.decode(codes[tuple(slice(b[0] - h[0], b[1] - h[0]) for b, h in zip(box, held))],
+                                     stream, seg["modulus"])
+            held = box
         self.codes_cache[key] = (codes, len(chain) - 1)
         return self.codes_cache[key]
