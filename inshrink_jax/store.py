@@ -416,6 +416,7 @@ class Reader:
         if key in self.codes_cache:
             return self.codes_cache[key]
         chain, object_id = [], self.object_id
+        own_store = os.path.abspath(objects_dir(self.root, self.item))
         while True:  # back to the keyframe
             obj = self.object(object_id)
             found = obj.entries.get((leaf, box_key(box)))
@@ -426,7 +427,9 @@ class Reader:
             chain.append((obj, found[0], seg, leaf, box))
             if "base" not in seg:
                 break
-            object_id, leaf, box = seg["base"], seg.get("base_leaf", leaf), seg.get("base_box", box)
+            # A base's own references are relative to its store: read them as this step's commit record names them.
+            object_id = _requalify(seg["base"], os.path.abspath(obj.path), own_store)
+            leaf, box = seg.get("base_leaf", leaf), seg.get("base_box", box)
         codes, held = None, None
         for obj, p, seg, leaf, box in reversed(chain):
             shape = [b[1] - b[0] for b in box]

@@ -115,6 +115,31 @@ def test_chain_of_fine_tune_saves_uses_the_base_as_keyframe(tmp_path, capsys):
     alone.close()
 
 
+def test_base_that_is_itself_a_delta(tmp_path):
+    """The base step is a delta in its own root: the fine-tune's chain continues into the base's chain, whose
+    references are relative to the base's store."""
+    root = str(tmp_path / "base")
+    with ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(CFG)) as m:
+        for step in range(2):
+            m.save(step, args=ij.InshrinkSave(pretrained() if step == 0 else fine_tuned(pretrained(), 5)["model"]))
+            m.wait_until_finished()
+        assert m.item_metadata(1)["kind"] == "delta"
+    state = fine_tuned(pretrained(), 0)
+    m, h = manager(str(tmp_path / "ft"), base=os.path.join(root, "1"))
+    m.save(0, args=ij.InshrinkSave(state))
+    m.wait_until_finished()
+    m.close()
+    assert h.last_figures["chain_depth"] == 2
+    commit, _ = store.read_json(str(tmp_path / "ft" / "0" / "default" / store.COMMIT), "commit", "")
+    assert sorted(k for k in commit["objects"] if os.path.isabs(k)) == [
+        os.path.join(root, store.OBJECTS, "default", "0.0"), os.path.join(root, store.OBJECTS, "default", "1.0")]
+    alone, _ = manager(str(tmp_path / "alone"))
+    alone.save(0, args=ij.InshrinkSave(state))
+    alone.wait_until_finished()
+    alone.close()
+    leaves_equal(restore(str(tmp_path / "ft"), 0, state), restore(str(tmp_path / "alone"), 0, state))
+
+
 def test_sharded_fine_tune_against_unsharded_base(tmp_path):
     base_dir = save_base(str(tmp_path / "base"))
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
