@@ -56,6 +56,16 @@ def restore(root, step, like=None):
             None if like is None else jax.tree.map(ocp.utils.to_shape_dtype_struct, like)))
 
 
+def assert_restores_as_saved_alone(tmp_path, step, state):
+    """Step `step` of the fine-tune root (tmp_path/ft) restores to exactly what the same state restores to when
+    saved without a base (a keyframe)."""
+    alone, _ = manager(str(tmp_path / "alone"))
+    alone.save(step, args=ij.InshrinkSave(state))
+    alone.wait_until_finished()
+    alone.close()
+    leaves_equal(restore(str(tmp_path / "ft"), step, state), restore(str(tmp_path / "alone"), step, state))
+
+
 def leaves_equal(a, b):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -108,11 +118,7 @@ def test_chain_of_fine_tune_saves_uses_the_base_as_keyframe(tmp_path, capsys):
     assert cli.main(["verify", str(tmp_path / "ft")]) == 0
     assert cli.main(["inspect", str(tmp_path / "ft"), "--step", "5"]) == 0
     assert f"deltas against the base checkpoint {os.path.join(base_dir, 'default')}" in capsys.readouterr().out
-    alone, _ = manager(str(tmp_path / "alone"))
-    alone.save(5, args=ij.InshrinkSave(states[5]))
-    alone.wait_until_finished()
-    leaves_equal(restore(str(tmp_path / "ft"), 5, states[5]), restore(str(tmp_path / "alone"), 5, states[5]))
-    alone.close()
+    assert_restores_as_saved_alone(tmp_path, 5, states[5])
 
 
 def test_base_that_is_itself_a_delta(tmp_path):
@@ -133,11 +139,7 @@ def test_base_that_is_itself_a_delta(tmp_path):
     commit, _ = store.read_json(str(tmp_path / "ft" / "0" / "default" / store.COMMIT), "commit", "")
     assert sorted(k for k in commit["objects"] if os.path.isabs(k)) == [
         os.path.join(root, store.OBJECTS, "default", "0.0"), os.path.join(root, store.OBJECTS, "default", "1.0")]
-    alone, _ = manager(str(tmp_path / "alone"))
-    alone.save(0, args=ij.InshrinkSave(state))
-    alone.wait_until_finished()
-    alone.close()
-    leaves_equal(restore(str(tmp_path / "ft"), 0, state), restore(str(tmp_path / "alone"), 0, state))
+    assert_restores_as_saved_alone(tmp_path, 0, state)
 
 
 def test_sharded_fine_tune_against_unsharded_base(tmp_path):
@@ -154,11 +156,7 @@ def test_sharded_fine_tune_against_unsharded_base(tmp_path):
     shards = reader.shards["['model']['params']['dense']['kernel']"]
     assert len(shards) == 4
     assert all(e["segments"]["codes"]["base_box"] == [[0, 128], [0, 64]] for _, e in shards)
-    alone, _ = manager(str(tmp_path / "alone"))
-    alone.save(0, args=ij.InshrinkSave(state))
-    alone.wait_until_finished()
-    alone.close()
-    leaves_equal(restore(str(tmp_path / "ft"), 0, state), restore(str(tmp_path / "alone"), 0, state))
+    assert_restores_as_saved_alone(tmp_path, 0, state)
 
 
 def test_missing_base_is_a_clear_error(tmp_path):
