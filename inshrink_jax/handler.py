@@ -365,8 +365,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                 return {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})}, None
             enc = quantize.to_host(*payload, meta["dtype"])
             prev = base.codes.get((meta["keystr"], store.box_key(box))) if base is not None else None
-            ext = self.base.codes(base_of[i], box) if i in base_of else None  # the base checkpoint's codes
-            if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every:
+            local = prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every
+            # The base checkpoint's codes, read only where this run's own chain cannot continue.
+            ext = self.base.codes(base_of[i], box) if not local and i in base_of else None
+            if local:
                 b = delta.modulus(prev[1], enc.bins)
                 stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": base.object_id,
                                                                              "modulus": b}, prev[2] + 1

@@ -56,6 +56,14 @@ def restore(root, step, like=None):
             None if like is None else jax.tree.map(ocp.utils.to_shape_dtype_struct, like)))
 
 
+def save_fine_tune(tmp_path, base, state):
+    """Save `state` as step 0 of tmp_path/ft by a handler against `base`: (the open manager, the save's figures)."""
+    m, h = manager(str(tmp_path / "ft"), base=base)
+    m.save(0, args=ij.InshrinkSave(state))
+    m.wait_until_finished()
+    return m, h.last_figures
+
+
 def assert_restores_as_saved_alone(tmp_path, step, state):
     """Step `step` of the fine-tune root (tmp_path/ft) restores to exactly what the same state restores to when
     saved without a base (a keyframe)."""
@@ -74,10 +82,7 @@ def leaves_equal(a, b):
 def test_fine_tune_delta_round_trip_is_bit_exact_and_small(tmp_path):
     base_dir = save_base(str(tmp_path / "base"))
     state = fine_tuned(pretrained(), 0, classes=20)
-    m, h = manager(str(tmp_path / "ft"), base=base_dir)
-    m.save(0, args=ij.InshrinkSave(state))
-    m.wait_until_finished()
-    figures = h.last_figures
+    m, figures = save_fine_tune(tmp_path, base_dir, state)
     with_base = restore(str(tmp_path / "ft"), 0, state)
     # The same state saved without a base (a keyframe) restores to exactly the same values.
     m2, h2 = manager(str(tmp_path / "alone"))
@@ -131,11 +136,9 @@ def test_base_that_is_itself_a_delta(tmp_path):
             m.wait_until_finished()
         assert m.item_metadata(1)["kind"] == "delta"
     state = fine_tuned(pretrained(), 0)
-    m, h = manager(str(tmp_path / "ft"), base=os.path.join(root, "1"))
-    m.save(0, args=ij.InshrinkSave(state))
-    m.wait_until_finished()
+    m, figures = save_fine_tune(tmp_path, os.path.join(root, "1"), state)
     m.close()
-    assert h.last_figures["chain_depth"] == 2
+    assert figures["chain_depth"] == 2
     commit, _ = store.read_json(str(tmp_path / "ft" / "0" / "default" / store.COMMIT), "commit", "")
     assert sorted(k for k in commit["objects"] if os.path.isabs(k)) == [
         os.path.join(root, store.OBJECTS, "default", "0.0"), os.path.join(root, store.OBJECTS, "default", "1.0")]
@@ -148,10 +151,7 @@ def test_sharded_fine_tune_against_unsharded_base(tmp_path):
     state = fine_tuned(pretrained(), 0)
     shard = NamedSharding(mesh, PartitionSpec(None, "x"))
     state["model"]["params"]["dense"]["kernel"] = jax.device_put(state["model"]["params"]["dense"]["kernel"], shard)
-    m, h = manager(str(tmp_path / "ft"), base=base_dir)
-    m.save(0, args=ij.InshrinkSave(state))
-    m.wait_until_finished()
-    m.close()
+    save_fine_tune(tmp_path, base_dir, state)[0].close()
     reader = store.Reader(str(tmp_path / "ft" / "0" / "default"))
     shards = reader.shards["['model']['params']['dense']['kernel']"]
     assert len(shards) == 4
@@ -161,11 +161,8 @@ def test_sharded_fine_tune_against_unsharded_base(tmp_path):
 
 def test_missing_base_is_a_clear_error(tmp_path):
     base_dir = save_base(str(tmp_path / "base"))
-    m, _ = manager(str(tmp_path / "ft"), base=base_dir)
     state = fine_tuned(pretrained(), 0)
-    m.save(0, args=ij.InshrinkSave(state))
-    m.wait_until_finished()
-    m.close()
+    save_fine_tune(tmp_path, base_dir, state)[0].close()
     shutil.rmtree(tmp_path / "base")
     with pytest.raises(store.CheckpointCorruptError, match=r"step 0.*delta against a base checkpoint.*missing"):
         restore(str(tmp_path / "ft"), 0, state)
@@ -174,10 +171,8 @@ def test_missing_base_is_a_clear_error(tmp_path):
 
 def test_base_saved_again_in_place_is_a_clear_error(tmp_path):
     base_dir = save_base(str(tmp_path / "base"))
-    m, _ = manager(str(tmp_path / "ft"), base=base_dir)
     state = fine_tuned(pretrained(), 0)
-    m.save(0, args=ij.InshrinkSave(state))
-    m.wait_until_finished()
+    m, _ = save_fine_tune(tmp_path, base_dir, state)
     # Another checkpoint is saved where the base was: same path, same object name, other contents.
     shutil.rmtree(tmp_path / "base")
     save_base(str(tmp_path / "base"), pretrained(seed=7))
