@@ -1,13 +1,17 @@
-"""A base checkpoint in another directory that saves store their deltas against: fine-tunes of one pretrained
+"""A base checkpoint in another directory that saves store their weights against: fine-tunes of one pretrained
 checkpoint, each costing a fraction of it (`InshrinkCheckpointHandler(base=...)`).
 
-A fine-tuned weight mostly stays on the level it had in the base, so its codes are stored as the (rearranged,
-entropy-coded) change against the base's codes, as between two saves of one run (delta.py). The base is a
-committed step of another `CheckpointManager` root, read and checked with store.Reader:
+A fine-tuned weight is the base's restored weight plus the change fine-tuning made; that change (the residual)
+is what is quantized and stored (quantize.py, `offsets`), by the same method as any weight: its own k-means
+levels, pruning (a pruned residual restores the base's value exactly), protection, and deltas between the
+fine-tune's saves. Quantizing the fine-tuned weight itself would snap most changes back to the base's levels:
+fine-tuning moves weights by less than a level spacing. The base is a committed step of another
+`CheckpointManager` root, read and checked with store.Reader:
 
-- leaves are matched by key path: the fine-tune leaf whose path ends like exactly one quantized weight of the
-  base, longest tail first (a TrainState's `.params['conv']['kernel']` finds the base's
-  `['params']['conv']['kernel']`); leaves with another shape (a new classifier head) start a keyframe;
+- leaves are matched by key path: the fine-tune leaf whose path ends like exactly one parameter of the base
+  (quantized, or a float array stored losslessly), longest tail first (a TrainState's `.params['conv']['kernel']`
+  finds the base's `['params']['conv']['kernel']`); leaves with another shape (a new classifier head) are
+  quantized as they are;
 - the step's commit record names the base's object by absolute path with the CRC32 of its commit record, so a
   restore without the base, or against a base saved again in its place, fails with an error that says so;
 - nothing in this root's retention or garbage collection touches the base: it belongs to its own root, which
@@ -17,8 +21,6 @@ committed step of another `CheckpointManager` root, read and checked with store.
 from __future__ import annotations
 
 import os
-
-import numpy as np
 
 from inshrink_jax import store
 
@@ -48,7 +50,7 @@ def _names(entries) -> tuple:
 
 
 class BaseCheckpoint:
-    """A committed step of another root: its quantized weights' codes, decoded on first use and cached."""
+    """A committed step of another root: which of its parameters a fine-tune's leaves are stored against."""
 
     def __init__(self, path):
         self.directory = item_directory(path)
@@ -56,19 +58,17 @@ class BaseCheckpoint:
         r = self.reader
         self.ref = os.path.abspath(store.object_path(r.root, r.item, r.object_id))
         self.record_crc = r.commit["objects"][r.object_id]
-        self.bins = {m["keystr"]: m["bins"] for m in r.manifest["leaves"]
-                     if m["kind"] == "quantized" and m.get("method") == "weights"}
-        self.shapes = {m["keystr"]: tuple(m["shape"]) for m in r.manifest["leaves"] if m["keystr"] in self.bins}
+        self.leaves = {m["keystr"]: m for m in r.manifest["leaves"] if m.get("part") == "params" and (
+            (m["kind"] == "quantized" and m.get("method") == "weights") or m["kind"] == "array")}
         self._by_tail: dict[tuple, list[str]] = {}
-        for m in r.manifest["leaves"]:
-            if m["keystr"] in self.bins:
-                names = _names(m["path"])
-                for j in range(len(names)):
-                    self._by_tail.setdefault(names[j:], []).append(m["keystr"])
+        for key, m in self.leaves.items():
+            names = _names(m["path"])
+            for j in range(len(names)):
+                self._by_tail.setdefault(names[j:], []).append(key)
 
-    def describe(self) -> dict:
-        """What a step's manifest records about its base."""
-        return {"directory": self.directory, "object": self.ref, "commit_crc32": self.record_crc}
+    def describe(self, root: str, item: str) -> dict:
+        """What the manifest of a step of `root` records about its base (the object as `ref_from` names it)."""
+        return {"directory": self.directory, "object": self.ref_from(root, item), "commit_crc32": self.record_crc}
 
     def check(self, directory) -> None:
         """Raise CheckpointCorruptError, naming the step being saved at `directory`, if the base is gone or was
@@ -86,30 +86,20 @@ class BaseCheckpoint:
 
     def ref_from(self, root: str, item: str) -> str:
         """The base object's reference as a step of `root` writes it: a plain name when the base is in the
-        same store (then it is an ordinary delta base, kept by that root's garbage collection)."""
+        same store (then that root's garbage collection keeps it while the step is listed), else its absolute
+        path."""
         own = os.path.abspath(store.objects_dir(root, item))
         return os.path.basename(self.ref) if os.path.dirname(self.ref) == own else self.ref
 
     def match(self, entries, shape) -> str | None:
-        """The base leaf of a leaf with key path `entries` (manifest form) and `shape`: the one quantized base
-        weight with the longest common path tail, if it has that shape; None otherwise (no such weight, the
-        longest tail is shared, or another shape: a new classifier head)."""
+        """The base leaf of a leaf with key path `entries` (manifest form) and `shape`: the one base parameter
+        with the longest common path tail, if it has that shape; None otherwise (no such parameter, the longest
+        tail is shared, or another shape: a new classifier head)."""
         names = _names(entries)
         for j in range(len(names)):
             hits = self._by_tail.get(names[j:], [])
-            if len(hits) == 1 and self.shapes[hits[0]] == tuple(shape):
+            if len(hits) == 1 and tuple(self.leaves[hits[0]]["shape"]) == tuple(shape):
                 return hits[0]
             if hits:
                 return None
-        return None
-
-    def codes(self, leaf: str, box) -> tuple[np.ndarray, int, int, list] | None:
-        """(codes cut to `box`, bins, chain depth, the base shard's box) of base leaf `leaf`, from the base
-        shard that contains `box` (a fine-tune may be sharded more finely than its base); None if none does."""
-        for _, entry in self.reader.shards.get(leaf, []):
-            held = entry["box"]
-            if len(held) == len(box) and all(h[0] <= b[0] and b[1] <= h[1] for b, h in zip(box, held)):
-                codes, depth = self.reader.codes(leaf, held)
-                cut = codes[tuple(slice(b[0] - h[0], b[1] - h[0]) for b, h in zip(box, held))]
-                return cut, self.bins[leaf], depth, held
         return None

@@ -83,8 +83,8 @@ def _summary(directory: str) -> dict:
 
     reader = store.Reader(directory)
     figs = figures_from(reader.manifest, reader.own.commit)
-    leaves = [{k: m[k] for k in ("keystr", "kind", "part", "shape", "dtype", "method", "bins", "layer_type")
-               if k in m} for m in reader.manifest["leaves"]]
+    leaves = [{k: m[k] for k in ("keystr", "kind", "part", "shape", "dtype", "method", "bins", "layer_type",
+                                 "base_leaf") if k in m} for m in reader.manifest["leaves"]]
     return {"directory": directory, "object": reader.object_id, "bases": reader.own.commit["bases"],
             "objects": sorted(reader.commit["objects"]), "leaves": leaves,
             "base_checkpoint": (reader.manifest.get("base") or {}).get("directory"),
@@ -134,11 +134,12 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
         print(f"\nstep {step}: object {f['object']}, delta bases {f['bases'] or 'none (keyframe)'}; search "
               f"{f['search'].get('mode')}; sensitivity: {f['sensitivity']}")
         if f["base_checkpoint"]:
-            print(f"  weights stored as deltas against the base checkpoint {f['base_checkpoint']}")
+            print(f"  weights stored as residuals against the base checkpoint {f['base_checkpoint']}")
         print(f"  raw bytes {f['raw_bytes']}, stored bytes {f['stored_bytes']}")
         print(f"  blocking {f['blocking_seconds']:.3f} s, total {f['total_seconds']:.3f} s")
         for m in f["leaves"]:
-            detail = m["kind"] + (f" ({m['method']}, {m['bins']} levels)" if m["kind"] == "quantized" else "")
+            detail = m["kind"] + (f" ({m['method']}{', residual' if 'base_leaf' in m else ''}, {m['bins']} levels)"
+                                  if m["kind"] == "quantized" else "")
             print(f"  {m['keystr']:<60} {detail:<32} {str(m.get('shape', '')):<16} {m.get('dtype', '')}")
     return 0
 
@@ -151,6 +152,7 @@ def _verify_step(directory: str) -> list[str]:
         reader = store.Reader(directory)
         for oid in reader.commit["objects"]:
             reader.object(oid)  # commit record and offset tables against their checksums
+        reader.base()  # the base checkpoint, if any: there, and the one the step was saved against
     except store.CheckpointCorruptError as e:
         return [str(e)]
     for meta in reader.manifest["leaves"]:

@@ -250,9 +250,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
     Args:
       config: the compression configuration (defaults: the paper's).
       base: a committed step of another root (`<root>/<step>`, or its item directory) that this handler's saves
-        store their weights as deltas against where they would otherwise write a keyframe: fine-tunes of a
-        compressed pretrained checkpoint (base.py). Weights are matched to the base's by key-path tail and
-        shape. Restoring such a step needs the base, unchanged, where it was: otherwise a clear error.
+        store their weights against: fine-tunes of a compressed pretrained checkpoint (base.py). A weight
+        matched to a base parameter (by key-path tail and shape) is stored as its change against the base's
+        restored value, quantized by the same method. Restoring such a step needs the base, unchanged, where it
+        was: otherwise a clear error.
       multiprocessing_options: Orbax's; `primary_host` writes the manifest and commits.
     """
 
@@ -260,6 +261,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                  multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions()):
         self.config = config or CompressionConfig()
         self.base = None if base is None else BaseCheckpoint(base)
+        self._offsets: dict = {}  # (base leaf, sharding) -> its restored values
         self._primary_host = multiprocessing_options.primary_host or 0
         self.last_figures: dict | None = None
         # The configuration of the last save (or restore): the search never picks a more aggressive one.
@@ -291,13 +293,11 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         leaves_meta, quant_idx = _classify(flat, cfg)
         grads = self._grads_by_path(args.grads)
         root, item, step = store.locate(directory)
-        base = self._delta_base(root, item)
+        chain = self._delta_base(root, item)
         object_id = store.new_object_id(root, item, step)
-        base_of: dict[int, str] = {}  # leaf -> its weight in the base checkpoint
-        base_ref = None
+        base_of: dict[int, str] = {}  # leaf -> its parameter in the base checkpoint
         if self.base is not None:
             self.base.check(directory)
-            base_ref = self.base.ref_from(root, item)
             base_of = {i: b for i in quant_idx
                        if (b := self.base.match(leaves_meta[i]["path"], leaves_meta[i]["shape"])) is not None}
 
@@ -306,21 +306,27 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         xs = [flat[i][1] for i in quant_idx]
         gs = [next((grads[t] for t in _tails(flat[i][0]) if t in grads), None) for i in quant_idx]
         layer_types = [leaves_meta[i]["layer_type"] for i in quant_idx]
-        quant, devs, record = self._configure(flat, treedef, quant_idx, gs, layer_types, args.eval_fn)
+        # Weights with a match in the base checkpoint are encoded as their change against its restored values.
+        offsets = [self._base_values(base_of[i], x) if i in base_of else None for i, x in zip(quant_idx, xs)]
+        quant, devs, record = self._configure(flat, treedef, quant_idx, gs, layer_types, args.eval_fn, offsets)
         if quant is None:  # lossless: nothing quantized at this save
             for i in quant_idx:
                 leaves_meta[i]["kind"] = "array"
                 del leaves_meta[i]["layer_type"], leaves_meta[i]["method"]
             quant_idx, xs, devs = [], [], []
-        elif devs is None:
-            devs = quantize.encode_on_device(xs, gs, layer_types, quant, cfg)
-        # Optimizer moments under the "quantize" policy: first moments take their weight's pruning.
+        else:
+            for i in base_of:
+                leaves_meta[i]["base_leaf"] = base_of[i]
+            if devs is None:
+                devs = quantize.encode_on_device(xs, gs, layer_types, quant, cfg, offsets=offsets)
+        # Optimizer moments under the "quantize" policy: first moments take their weight's pruning (not that of
+        # a residual: a pruned residual is a weight kept at its base value, not a zero).
         moment_idx = [i for i, m in enumerate(leaves_meta) if m.get("method") == "moments"]
         owners = _owners(flat, quant_idx, moment_idx)
         devs = list(devs) + moments.encode_on_device(
             [flat[i][1] for i in moment_idx],
-            [devs[k].codes if k is not None and _moment_role(flat[i][0]) == "first" else None
-             for i, k in zip(moment_idx, owners)], cfg)
+            [devs[k].codes if k is not None and _moment_role(flat[i][0]) == "first" and devs[k].offset is None
+             else None for i, k in zip(moment_idx, owners)], cfg)
         quant_idx, xs = quant_idx + moment_idx, xs + [flat[i][1] for i in moment_idx]
         shards: list[tuple[int, list, Any]] = []  # (leaf, box, what to store)
         for i, x, dev in zip(quant_idx, xs, devs):
@@ -351,7 +357,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                     "object": object_id, "config": _config_json(cfg),
                     "quant": None if quant is None else dataclasses.asdict(quant),
                     "leaves": leaves_meta, "raw_bytes": raw, "search": record,
-                    "base": None if self.base is None else self.base.describe(),
+                    "base": self.base.describe(root, item) if any("base_leaf" in m for m in leaves_meta) else None,
                     "sensitivity": (f"gradient EMA on {sum(g is not None for g in gs)} of {len(gs)} quantized leaves"
                                     if grads else "magnitude (no grads given)")}
         process = jax.process_index()
@@ -364,18 +370,11 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             if not isinstance(payload, tuple):
                 return {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})}, None
             enc = quantize.to_host(*payload, meta["dtype"])
-            prev = base.codes.get((meta["keystr"], store.box_key(box))) if base is not None else None
-            local = prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every
-            # The base checkpoint's codes, read only where this run's own chain cannot continue.
-            ext = self.base.codes(base_of[i], box) if not local and i in base_of else None
-            if local:
+            prev = chain.codes.get((meta["keystr"], store.box_key(box))) if chain is not None else None
+            if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every:
                 b = delta.modulus(prev[1], enc.bins)
-                stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": base.object_id,
+                stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": chain.object_id,
                                                                              "modulus": b}, prev[2] + 1
-            elif ext is not None and ext[0].shape == enc.codes.shape and ext[2] + 1 < cfg.keyframe_every:
-                b = delta.modulus(ext[1], enc.bins)
-                stream, depth = delta.encode(ext[0], enc.codes, b), ext[2] + 1
-                extra = {"base": base_ref, "modulus": b, "base_leaf": base_of[i], "base_box": ext[3]}
             else:
                 stream, extra, depth = enc.codes, {}, 0
             segments = {
@@ -412,7 +411,17 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         return [ocp.future.CommitFutureAwaitingContractedSignals(commit(), name="inshrink_save")]
 
-    def _configure(self, flat, treedef, quant_idx, gs, layer_types, eval_fn):
+    def _base_values(self, leaf: str, x: jax.Array) -> jax.Array:
+        """The base checkpoint's restored `leaf`, laid out like `x`; restored once per layout and kept (every
+        save of a fine-tune needs it: memory of one more copy of the matched weights)."""
+        key = (leaf, x.sharding, x.committed)
+        if key not in self._offsets:
+            values = _restore_leaf(self.base.reader, self.base.leaves[leaf], x)
+            # An uncommitted leaf (made by jnp without a device) may meet arrays on other devices in the encoder.
+            self._offsets[key] = values if x.committed else jax.device_put(np.asarray(values))
+        return self._offsets[key]
+
+    def _configure(self, flat, treedef, quant_idx, gs, layer_types, eval_fn, offsets):
         """(configuration or None for lossless, its encoded leaves if the search made them, search record)."""
         cfg = self.config
         if not quant_idx:
@@ -424,7 +433,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                                  "enable the search.")
             return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}
         outcome, record = search.choose([x for _, x in flat], treedef, quant_idx, gs, layer_types, cfg, eval_fn,
-                                        self._previous_quant)
+                                        self._previous_quant, offsets)
         if outcome.quant is None and self._previous_quant != search.LOSSLESS:
             budget = (f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.proxy_budget}")
             warnings.warn(f"no quantization configuration meets {budget} (the least aggressive one degrades by "
@@ -446,7 +455,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         manifest, _ = store.read_json(os.path.join(directory, store.MANIFEST), "manifest", directory)
         base = manifest.get("base")
         record = store.finalize(directory, manifest["object"], manifest["process_count"],
-                                expected={base["object"]: base["commit_crc32"]} if base else None)
+                                base=(base["object"], base["commit_crc32"]) if base else None)
         self.last_figures = figures_from(manifest, record)
 
     @staticmethod
@@ -674,9 +683,27 @@ def _restore_leaf(reader: store.Reader, meta: dict, target):
         values = np.concatenate(val_parts)[order] if val_parts else np.zeros(0, np.float32)
         return quantize.EncodedTensor(codes, centres, values, meta["dtype"])
 
+    offsets = _base_offsets(reader, meta, sharding, what) if "base_leaf" in meta else None
     if is_numpy_target:
-        return np.asarray(quantize.decode(enc_box(full)))
-    return _make_array(shape, sharding, lambda box, dev: quantize.decode(enc_box(box), dev), what)
+        return np.asarray(quantize.decode(enc_box(full), None, None if offsets is None else offsets[None]))
+    return _make_array(shape, sharding, lambda box, dev: quantize.decode(
+        enc_box(box), dev, None if offsets is None else offsets[dev]), what)
+
+
+def _base_offsets(reader: store.Reader, meta: dict, sharding, what: str) -> dict:
+    """The base checkpoint's values of a residual leaf, restored with `sharding`: device -> its shard (None ->
+    the shard on the default device, for a NumPy target)."""
+    base = reader.base()
+    base_meta = next((m for m in base.manifest["leaves"] if m["keystr"] == meta["base_leaf"]), None)
+    if base_meta is None or base_meta.get("shape") != meta["shape"]:
+        raise store.CheckpointCorruptError(
+            f"{what}: stored against the base checkpoint's leaf {meta['base_leaf']}, which the base "
+            f"{base.directory} does not hold with shape {tuple(meta['shape'])}")
+    values = _restore_leaf(base, base_meta, jax.ShapeDtypeStruct(tuple(meta["shape"]), base_meta["dtype"],
+                                                                 sharding=sharding))
+    out = {s.device: s.data for s in values.addressable_shards}
+    out[None] = out.get(jax.devices()[0])
+    return out
 
 
 def _make_array(shape, sharding, build, what):

@@ -125,14 +125,28 @@ def _storage_values(x: jax.Array, out_dtype) -> jax.Array:
     return x.astype(out_dtype)
 
 
+def residual(x: jax.Array, offset: jax.Array) -> jax.Array:
+    """What is encoded of a tensor stored against an offset (its base checkpoint's weight): x - offset, in
+    float32 (the difference of two 16-bit values is exact there)."""
+    return x.astype(jnp.float32) - offset.astype(jnp.float32)
+
+
+def plus_offset(r: jax.Array, offset: jax.Array, dtype) -> jax.Array:
+    """The tensor a residual `r` (float32) decodes to: r + offset, in `dtype`. The one formula of both the
+    search's candidates and the restore, so a restore gives exactly what the search scored."""
+    return (r + offset.astype(jnp.float32)).astype(dtype)
+
+
 @functools.partial(
     jax.jit, static_argnames=("prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity", "out_dtypes")
 )
-def _encode_group(xs, gs, bins, use_sensitivity, protect_fraction, prune_fraction, key, *, prunable, spec, sigma,
-                  iters, tol, restarts, capacity, out_dtypes):
+def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, key, *, prunable, spec,
+                  sigma, iters, tol, restarts, capacity, out_dtypes):
     """Codes, centres (`capacity` slots, the first `bins` used) and in-place protected values of the tensors of
     one layer type (they share the prune threshold). The configuration is traced, not static, so one compiled
-    kernel serves every candidate of the configuration search."""
+    kernel serves every candidate of the configuration search. A tensor with an offset is encoded as its
+    residual x - offset (its prune and protect scores are then those of the change against the offset)."""
+    xs = [x if off is None else residual(x, off) for x, off in zip(xs, offsets)]
     scored = [_scores(x, g) for x, g in zip(xs, gs)]
     protected = []
     for (x32, finite, mag, sens), g in zip(scored, gs):
@@ -169,15 +183,18 @@ def _encode_group(xs, gs, bins, use_sensitivity, protect_fraction, prune_fractio
     return codes, [jnp.where(used, c, 0.0) for c in centres], in_place
 
 
-def _dequantize_one(codes, centres, protected_in_place, bins, dtype):
+def _dequantize_one(codes, centres, protected_in_place, bins, offset, dtype):
+    work = dtype if offset is None else jnp.float32
     table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
     values = table[jnp.minimum(codes, centres.shape[0] + 1)]
-    return jnp.where(codes == bins + 1, protected_in_place.astype(dtype), values.astype(dtype))
+    r = jnp.where(codes == bins + 1, protected_in_place.astype(work), values.astype(work))
+    return r if offset is None else plus_offset(r, offset, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dtypes",))
-def _dequantize(codes, centres, protected_in_place, bins, *, dtypes):
-    return [_dequantize_one(*args, dtype) for *args, dtype in zip(codes, centres, protected_in_place, bins, dtypes)]
+def _dequantize(codes, centres, protected_in_place, bins, offsets, *, dtypes):
+    return [_dequantize_one(*args, dtype)
+            for *args, dtype in zip(codes, centres, protected_in_place, bins, offsets, dtypes)]
 
 
 def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.Array]:
@@ -186,7 +203,8 @@ def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.
     if not devs:
         return []
     return _dequantize([d.codes for d in devs], [d.centres for d in devs], [d.protected_in_place for d in devs],
-                       np.asarray([d.bins for d in devs], np.int32), dtypes=tuple(jnp.dtype(t) for t in dtypes))
+                       np.asarray([d.bins for d in devs], np.int32), [d.offset for d in devs],
+                       dtypes=tuple(jnp.dtype(t) for t in dtypes))
 
 
 def _padded(positions: np.ndarray, fill: int) -> np.ndarray:
@@ -205,16 +223,18 @@ def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:
 class DeviceCodes(NamedTuple):
     """Encoder output still on the device(s), every array with the input's sharding except the replicated
     centres: codes, centres (the first `bins` of its slots are used), and the protected values in place
-    (storage dtype, 0 where not protected)."""
+    (storage dtype, 0 where not protected); `offset` is what the codes encode the change against (None: the
+    tensor itself is encoded)."""
 
     codes: jax.Array
     centres: jax.Array
     protected_in_place: jax.Array
     bins: int
+    offset: jax.Array | None = None
 
     def dequantize(self, dtype) -> jax.Array:
         """What a restore gives back, computed on the device(s) with the codes' sharding: pruned -> 0,
-        quantized -> centre, protected -> its stored value, in `dtype`."""
+        quantized -> centre, protected -> its stored value, in `dtype` (plus the offset, if any)."""
         return dequantize_all([self], [dtype])[0]
 
     def start_copy_to_host(self) -> None:
@@ -231,6 +251,7 @@ def encode_on_device(
     quant: QuantConfig,
     cfg: CompressionConfig,
     key: jax.Array | None = None,
+    offsets: Sequence[jax.Array | None] | None = None,
 ) -> list[DeviceCodes]:
     """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
     compiled once per state structure, whatever `quant` is (its k-means has `cfg.bins_capacity` slots).
@@ -242,13 +263,16 @@ def encode_on_device(
       quant: the configuration (bins, fractions, prune metric).
       cfg: the method's parameters.
       key: PRNG key for k-means++; defaults to PRNGKey(cfg.seed).
+      offsets: per tensor, None or an array of its shape and sharding (a base checkpoint's restored weight):
+        the tensor is then encoded as its residual x - offset, and decodes to offset + the decoded residual.
 
     Returns:
       One `DeviceCodes` per input, in order. Nothing is waited for: the work is dispatched, and the results
       are futures until read; nothing reads `xs` after this returns.
     """
-    if not (len(xs) == len(gs) == len(layer_types)):
-        raise ValueError("encode needs one gradient (or None) and one layer type per tensor")
+    offsets = [None] * len(xs) if offsets is None else list(offsets)
+    if not (len(xs) == len(gs) == len(layer_types) == len(offsets)):
+        raise ValueError("encode needs one gradient (or None), one layer type and one offset (or None) per tensor")
     spec = sketch.SketchSpec(cfg.alpha)
     out: list[DeviceCodes | None] = [None] * len(xs)
     for t, kind in enumerate(sorted(set(layer_types))):
@@ -257,15 +281,17 @@ def encode_on_device(
         if bins > cfg.bins_capacity:
             raise ValueError(f"{bins} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
         codes, centres, in_place = _encode_group(
-            [xs[i] for i in idx], [gs[i] for i in idx], np.int32(bins), np.bool_(quant.prune_metric == "sensitivity"),
+            [xs[i] for i in idx], [gs[i] for i in idx], [offsets[i] for i in idx], np.int32(bins),
+            np.bool_(quant.prune_metric == "sensitivity"),
             np.float32(quant.protect_fraction), np.float32(quant.prune_fraction),
             seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
             prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma, iters=cfg.kmeans_iters,
             tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity,
-            out_dtypes=tuple(protected_storage_dtype(xs[i].dtype, cfg) for i in idx),
+            out_dtypes=tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
+                             for i in idx),
         )
         for i, c, cen, v in zip(idx, codes, centres, in_place):
-            out[i] = DeviceCodes(c, cen, v, bins)
+            out[i] = DeviceCodes(c, cen, v, bins, offsets[i])
     return out  # type: ignore[return-value]
 
 
@@ -292,16 +318,19 @@ def encode_tensors(
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
-def _decode(codes, centres, flat_positions, values, *, dtype):
+def _decode(codes, centres, flat_positions, values, offset, *, dtype):
+    work = dtype if offset is None else jnp.float32
     table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
-    out = table.astype(dtype)[codes]
+    out = table.astype(work)[codes]
     # Padded positions point past the end and are dropped.
-    return out.reshape(-1).at[flat_positions].set(values.astype(dtype), mode="drop").reshape(codes.shape)
+    r = out.reshape(-1).at[flat_positions].set(values.astype(work), mode="drop").reshape(codes.shape)
+    return r if offset is None else plus_offset(r, offset, dtype)
 
 
-def decode(enc: EncodedTensor, device=None) -> jax.Array:
+def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None) -> jax.Array:
     """The dequantized tensor (pruned -> 0, quantized -> its centre, protected -> its stored value), in the
-    original dtype, on `device` (default device if None)."""
+    original dtype, on `device` (default device if None); with `offset` (an array on that device), the codes
+    are a residual and the result is offset + the decoded residual (`plus_offset`)."""
     pos = protected_positions(enc.codes, enc.bins)
     if pos.size != enc.protected.size:
         raise ValueError(
@@ -311,4 +340,5 @@ def decode(enc: EncodedTensor, device=None) -> jax.Array:
     values = np.zeros(positions.shape, enc.protected.dtype)
     values[: pos.size] = enc.protected
     put = functools.partial(jax.device_put, device=device)
-    return _decode(put(enc.codes), put(enc.centres), put(positions), put(values), dtype=jnp.dtype(enc.dtype))
+    return _decode(put(enc.codes), put(enc.centres), put(positions), put(values), offset,
+                   dtype=jnp.dtype(enc.dtype))

@@ -316,9 +316,11 @@ class Evaluator:
     """
 
     def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
-                 cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, what: str = "eval_fn"):
+                 cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, what: str = "eval_fn",
+                 offsets: Sequence | None = None):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
         self.xs = [leaves[i] for i in self.quant_idx]
+        self.offsets = offsets
         self.gs, self.layer_types, self.cfg, self.eval_fn, self.what = list(gs), list(layer_types), cfg, eval_fn, what
         self.eval_calls = 0
         self.baseline: float | None = None  # measured with the first candidates
@@ -349,7 +351,8 @@ class Evaluator:
         if self.eval_fn is not None and self.baseline is None:
             self.baseline = self._score(self._call(self.leaves))
         # Dispatch every candidate's device work first, then block on the scores together.
-        encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg) for q in quants]
+        encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets)
+                   for q in quants]
         scores = []
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
@@ -366,9 +369,12 @@ class Evaluator:
 
 
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
-           cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None) -> tuple[Outcome, dict]:
+           cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None,
+           offsets: Sequence | None = None) -> tuple[Outcome, dict]:
     """Run the search for one save; returns the outcome and its record for the manifest (chosen
-    configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds)."""
+    configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds).
+    `offsets` (per quantized leaf, None or its base weight) are passed to the encoder: those leaves are
+    encoded as residuals and scored as base + decoded residual."""
     t0 = time.perf_counter()
     space = cfg.search_space
     has_grads = any(g is not None for g in gs)
@@ -380,7 +386,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     for i, lt in zip(quant_idx, layer_types):
         sizes[lt] = sizes.get(lt, 0) + int(np.prod(leaves[i].shape))
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
-    evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn)
+    evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets)
     budget = cfg.epsilon if eval_fn is not None else cfg.proxy_budget
     outcome = search(evaluator, cube, metrics, budget, cfg.search_batch,
                      lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits), previous,

@@ -36,8 +36,10 @@ import numpy as np
 from inshrink_jax import codec, delta
 
 FORMAT = "inshrink_jax"
-FORMAT_VERSION = 5  # 4: leaves of kind "dropped"; quantized leaves of method "moments"
-# 5: delta bases in another root's store (absolute object paths), with the base's leaf name and shard box
+FORMAT_VERSION = 6  # 4: leaves of kind "dropped"; quantized leaves of method "moments"
+# 5: level-index deltas against a base checkpoint of another root (no longer read: they lost the fine-tune)
+# 6: weights stored as residuals against a base checkpoint (leaf field `base_leaf`, manifest `base`, the base's
+#    object listed by absolute path in the step's commit record)
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 OBJECTS = "inshrink_objects"
@@ -80,20 +82,13 @@ def objects_dir(root: str, item: str) -> str:
 
 def object_path(root: str, item: str, ref: str) -> str:
     """Directory of the object `ref`: a name in this root's store, or the absolute path of an object in another
-    root's store (the base checkpoint a fine-tune's deltas build on, `InshrinkCheckpointHandler(base=...)`)."""
+    root's store (the base checkpoint of fine-tunes, `InshrinkCheckpointHandler(base=...)`)."""
     return ref if os.path.isabs(ref) else os.path.join(objects_dir(root, item), ref)
 
 
 def is_external(ref: str) -> bool:
     """Whether an object reference points into another root's store."""
     return os.path.isabs(ref)
-
-
-def _requalify(ref: str, referrer: str, own_store: str) -> str:
-    """`ref`, read from a record of the object at `referrer`, as a reference from a step whose store is
-    `own_store`: names are relative to the store that holds the record."""
-    path = os.path.normpath(ref if os.path.isabs(ref) else os.path.join(os.path.dirname(referrer), ref))
-    return os.path.basename(path) if os.path.dirname(path) == os.path.normpath(own_store) else path
 
 
 def crc32(data: bytes) -> int:
@@ -202,14 +197,16 @@ class BlobWriter:
                     "data_bytes": self._offset[DATA_FILE], "entries": self.entries, "figures": figures})
 
 
-def finalize(directory, object_id: str, process_count: int, expected: dict[str, int] | None = None) -> dict:
+def finalize(directory, object_id: str, process_count: int, base: tuple[str, int] | None = None) -> dict:
     """Commit one save (primary host, after every process wrote): check each process's blob and index, check
     that every object its deltas build on is committed, write the object's and the step's commit records, then
     collect unreferenced objects. Returns the object's commit record.
 
-    Raises CheckpointCorruptError if a process's files or a delta base are missing, or if a base in `expected`
-    (object path -> CRC32 of its commit record, as the handler read it) changed: the save then fails and Orbax
-    does not list the step.
+    `base`: (reference, CRC32 of its commit record as the handler read it) of the base checkpoint's object the
+    step's residual leaves build on; it is listed in the step's commit record, so a restore checks it.
+
+    Raises CheckpointCorruptError if a process's files or a delta base are missing, or if the base is gone or
+    changed: the save then fails and Orbax does not list the step.
     """
     root, item, _ = locate(directory)
     path = os.path.join(objects_dir(root, item), object_id)
@@ -226,20 +223,30 @@ def finalize(directory, object_id: str, process_count: int, expected: dict[str, 
                                     "data_bytes": index["data_bytes"], "figures": index["figures"]})
         bases.update(s["base"] for e in index["entries"] for s in e["segments"].values() if "base" in s)
     closure: dict[str, int] = {}
-    own_store = os.path.abspath(objects_dir(root, item))
     for b in sorted(bases):
-        base_path = object_path(root, item, b)
-        base_record, raw = read_json(os.path.join(base_path, COMMIT), f"commit record of delta base {b}", directory)
+        base_record, raw = read_json(os.path.join(objects_dir(root, item), b, COMMIT),
+                                     f"commit record of delta base {b}", directory)
         closure[b] = crc32(raw)
-        if expected and os.path.abspath(base_path) in expected and expected[os.path.abspath(base_path)] != closure[b]:
-            raise CheckpointCorruptError(f"{describe(directory)}: the base checkpoint object {base_path} changed while "
-                                         "this step was saved against it; the save did not complete")
-        closure.update({_requalify(k, os.path.abspath(base_path), own_store): v
-                        for k, v in base_record["closure"].items()})
+        closure.update(base_record["closure"])
     record["bases"] = sorted(bases)
     record["closure"] = closure
+    outside: dict[str, int] = {}
+    if base is not None:
+        ref, expected = base
+        base_path = object_path(root, item, ref)
+        try:
+            _, raw = read_json(os.path.join(base_path, COMMIT), "commit record of the base checkpoint", directory)
+            ok = crc32(raw) == expected
+        except CheckpointCorruptError:
+            ok = False
+        if not ok:
+            raise CheckpointCorruptError(f"{describe(directory)}: the base checkpoint object {base_path} was deleted "
+                                         "or changed while this step was saved against it; the save did not "
+                                         "complete")
+        outside[ref] = expected
     raw = write_json(os.path.join(path, COMMIT), record)
-    write_json(os.path.join(directory, COMMIT), {"object": object_id, "objects": {object_id: crc32(raw), **closure}})
+    write_json(os.path.join(directory, COMMIT),
+               {"object": object_id, "objects": {object_id: crc32(raw), **closure, **outside}})
     collect_garbage(root, item, current=directory)
     return record
 
@@ -310,9 +317,9 @@ class _Object:
                 raise _missing(directory, f"object {object_id}")
             if external:
                 raise CheckpointCorruptError(
-                    f"{describe(directory)}: is stored as a delta against a base checkpoint in another directory, "
-                    f"and needs its object {self.path}, which is missing: the base was deleted or moved. Put the "
-                    "base checkpoint back where it was; this step cannot be restored without it.")
+                    f"{describe(directory)}: is stored against a base checkpoint in another directory, and needs "
+                    f"its object {self.path}, which is missing: the base was deleted or moved. Put the base "
+                    "checkpoint back where it was; this step cannot be restored without it.")
             raise CheckpointCorruptError(
                 f"{describe(directory)}: needs object {object_id} ({self.path}), which is missing; it was deleted "
                 "outside inshrink_jax. This step cannot be restored; restore another step.")
@@ -322,13 +329,13 @@ class _Object:
         except CheckpointCorruptError:
             if external and not os.path.exists(os.path.join(self.path, COMMIT)):
                 raise CheckpointCorruptError(
-                    f"{describe(directory)}: the base checkpoint object {self.path} it is a delta against has no "
+                    f"{describe(directory)}: the base checkpoint object {self.path} it is stored against has no "
                     "commit record: the base was deleted or replaced. Put the base checkpoint back.") from None
             raise
         if crc32(raw) != record_crc:
             if external:
                 raise CheckpointCorruptError(
-                    f"{describe(directory)}: the base checkpoint object {self.path} it is a delta against has "
+                    f"{describe(directory)}: the base checkpoint object {self.path} it is stored against has "
                     "changed since this step was saved (its commit record differs: a different checkpoint was "
                     "saved there). This step decodes only against the base it was saved with.")
             raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
@@ -385,8 +392,14 @@ class Reader:
             raise CheckpointCorruptError(
                 f"{describe(self.directory)}: written by format version {self.manifest['version']}, this release "
                 f"reads up to {FORMAT_VERSION}; upgrade inshrink_jax")
+        if self.manifest.get("version") == 5 and self.manifest.get("base"):
+            raise CheckpointCorruptError(
+                f"{describe(self.directory)}: a fine-tune of format version 5 (level-index deltas against a base "
+                "checkpoint, which kept only weights that changed level: the fine-tune was lost); this release "
+                "does not read it. Save the fine-tuned weights again against the base.")
         self.commit, _ = read_json(os.path.join(self.directory, COMMIT), "commit record", self.directory)
         self.object_id = self.commit["object"]
+        self._base: Reader | None = None
         self._objects: dict[str, _Object] = {}
         self.own = self.object(self.object_id)
         self.shards: dict[str, list[tuple[int, dict]]] = {}
@@ -406,46 +419,55 @@ class Reader:
     def segment(self, leaf: str, p: int, seg: dict, name: str) -> bytes:
         return self.own.segment(leaf, p, seg, name)
 
+    def base(self) -> "Reader | None":
+        """The base checkpoint this step's residual leaves are stored against (None if it has none), checked to
+        be the one it was saved against: a clear error if it is gone, moved or saved again."""
+        info = self.manifest.get("base")
+        if info is None:
+            return None
+        if self._base is None:
+            self.object(info["object"])  # there, and the very object the step was saved against
+            try:
+                reader = Reader(info["directory"])
+            except (CheckpointCorruptError, OSError) as e:
+                raise CheckpointCorruptError(
+                    f"{describe(self.directory)}: is stored against the base checkpoint {info['directory']}, "
+                    f"which cannot be read ({e}). Put the base checkpoint back where it was.") from None
+            if os.path.abspath(object_path(reader.root, reader.item, reader.object_id)) != \
+                    os.path.abspath(object_path(self.root, self.item, info["object"])):
+                raise CheckpointCorruptError(
+                    f"{describe(self.directory)}: the base checkpoint {info['directory']} now holds another save "
+                    f"than the one this step is stored against (object {info['object']}). Put that one back.")
+            self._base = reader
+        return self._base
+
     def codes(self, leaf: str, box) -> tuple[np.ndarray, int]:
         """(uint8 codes, chain depth) of one shard of this step, walking its delta chain back to the keyframe.
 
-        A delta against a base checkpoint of another root names the base's leaf and the base shard that holds
-        its box (`base_leaf`, `base_box`): the walk goes on there, and the base's codes are cut to the box.
         Only the step's own result is cached (a shard may overlap several target boxes), not the chain's."""
         key = (leaf, box_key(box))
         if key in self.codes_cache:
             return self.codes_cache[key]
+        shape = [b[1] - b[0] for b in box]
         chain, object_id = [], self.object_id
-        own_store = os.path.abspath(objects_dir(self.root, self.item))
         while True:  # back to the keyframe
             obj = self.object(object_id)
-            found = obj.entries.get((leaf, box_key(box)))
+            found = obj.entries.get(key)
             if found is None:
-                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {key[0]}: object {object_id} has "
-                                             f"no shard {box} of leaf {leaf} (a delta chain is broken)")
+                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: object {object_id} has no "
+                                             f"shard {box} (a delta chain is broken)")
             seg = found[1]["segments"]["codes"]
-            chain.append((obj, found[0], seg, leaf, box))
+            chain.append((obj, found[0], seg))
             if "base" not in seg:
                 break
-            # A base's own references are relative to its store: read them as this step's commit record names them.
-            object_id = _requalify(seg["base"], os.path.abspath(obj.path), own_store)
-            leaf, box = seg.get("base_leaf", leaf), seg.get("base_box", box)
-        codes, held = None, None
-        for obj, p, seg, leaf, box in reversed(chain):
-            shape = [b[1] - b[0] for b in box]
+            object_id = seg["base"]
+        codes = None
+        for obj, p, seg in reversed(chain):
             stream = np.frombuffer(codec.decompress(obj.segment(leaf, p, seg, "codes"), seg["codec"]), np.uint8)
             if stream.size != int(np.prod(shape)):
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: codes of shard {box} in "
                                              f"object {obj.id} hold {stream.size} values, expected "
                                              f"{int(np.prod(shape))}")
-            if codes is None:
-                codes = stream.reshape(shape)
-            else:
-                if any(b[0] < h[0] or b[1] > h[1] for b, h in zip(box, held)):
-                    raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: delta shard {box} in "
-                                                 f"object {obj.id} lies outside its base shard {held}")
-                codes = delta.decode(codes[tuple(slice(b[0] - h[0], b[1] - h[0]) for b, h in zip(box, held))],
-                                     stream, seg["modulus"])
-            held = box
+            codes = stream.reshape(shape) if codes is None else delta.decode(codes, stream, seg["modulus"])
         self.codes_cache[key] = (codes, len(chain) - 1)
         return self.codes_cache[key]
