@@ -2,7 +2,8 @@
 
 Codecs, each identified by an id string that the manifest records next to every blob, so a reader picks
 the decoder by id and a later format adds a codec instead of breaking old checkpoints:
-  "zstd"        plain zstandard of the bytes (code streams, deltas, small metadata).
+  "zstd"        plain zstandard of the bytes (code streams, deltas, small metadata; lossless data whose whole
+                values repeat).
   "zstd-planes" byte-plane grouping then zstandard, for lossless float data: byte i of every element is
                 stored together, so the exponent bytes (which repeat) form long runs that zstd finds.
   "zstd-rle"    for uint8 streams that are mostly 0 (deltas): the length of the run of zeros before each
@@ -31,6 +32,9 @@ DEFAULT_LEVEL = 3
 # 1.11x H0 (benchmarks/results/delta.md).
 CODE_CODECS = (ZSTD, ZSTD_RLE)
 CODE_LEVEL = 1
+# Lossless float data: byte planes win on trained weights (their exponent bytes repeat), plain zstd (what Orbax
+# stores) where whole values repeat; taking the smaller costs a second pass and is never larger than either.
+LOSSLESS_CODECS = (ZSTD_PLANES, ZSTD)
 
 
 def _bytes_view(data: bytes | np.ndarray) -> np.ndarray:

@@ -368,7 +368,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             """(segments, chain entry or None) of one shard: host copy, delta, entropy coding."""
             meta = leaves_meta[i]
             if not isinstance(payload, tuple):
-                return {"data": (*codec.compress_best(payload, codec.ZSTD_PLANES), {})}, None
+                return {"data": (*codec.compress_best(payload, codec.LOSSLESS_CODECS), {})}, None
             enc = quantize.to_host(*payload, meta["dtype"])
             prev = chain.codes.get((meta["keystr"], store.box_key(box))) if chain is not None else None
             if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < cfg.keyframe_every:

@@ -26,6 +26,17 @@ def test_byte_planes_round_trip(dtype):
     np.testing.assert_array_equal(out, a)
 
 
+def test_lossless_data_takes_the_smaller_of_planes_and_plain_zstd():
+    rng = np.random.default_rng(0)
+    trained_like = rng.normal(size=50_000).astype(np.float32) * 0.05
+    repeated_values = rng.random(16).astype(np.float32)[rng.integers(0, 16, 50_000)]
+    for a, best in ((trained_like, codec.ZSTD_PLANES), (repeated_values, codec.ZSTD)):
+        blob, used = codec.compress_best(a, codec.LOSSLESS_CODECS)
+        assert used == best
+        assert len(blob) == min(len(codec.compress(a, c)) for c in (codec.ZSTD, codec.ZSTD_PLANES))
+        np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, used, 4), np.float32), a)
+
+
 def test_run_lengths_beat_plain_zstd_near_the_order0_bound():
     rng = np.random.default_rng(1)
     a = np.where(rng.random(200_000) < 0.1, rng.choice([1, 9], 200_000), 0).astype(np.uint8)
