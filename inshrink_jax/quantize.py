@@ -125,16 +125,23 @@ def _storage_values(x: jax.Array, out_dtype) -> jax.Array:
     return x.astype(out_dtype)
 
 
+def _finite_offset(offset: jax.Array) -> jax.Array:
+    """The offset in float32 with its non-finite values replaced by 0: a base weight that is Inf or NaN cannot be
+    added to, so such a weight is stored (and restored) as the tensor's own value."""
+    off = offset.astype(jnp.float32)
+    return jnp.where(jnp.isfinite(off), off, 0.0)
+
+
 def residual(x: jax.Array, offset: jax.Array) -> jax.Array:
     """What is encoded of a tensor stored against an offset (its base checkpoint's weight): x - offset, in
     float32 (the difference of two 16-bit values is exact there)."""
-    return x.astype(jnp.float32) - offset.astype(jnp.float32)
+    return x.astype(jnp.float32) - _finite_offset(offset)
 
 
 def plus_offset(r: jax.Array, offset: jax.Array, dtype) -> jax.Array:
     """The tensor a residual `r` (float32) decodes to: r + offset, in `dtype`. The one formula of both the
     search's candidates and the restore, so a restore gives exactly what the search scored."""
-    return (r + offset.astype(jnp.float32)).astype(dtype)
+    return (r + _finite_offset(offset)).astype(dtype)
 
 
 @functools.partial(

@@ -143,6 +143,29 @@ def test_restore_is_what_the_search_scored(tmp_path):
     assert (got - record["baseline"]) / record["baseline"] == pytest.approx(record["degradation"], rel=1e-6)
 
 
+def test_non_finite_weights_of_the_base_and_of_the_fine_tune(tmp_path):
+    """A base weight that is Inf or NaN cannot be added to: the fine-tune's value is stored as it is."""
+    variables = pretrained()
+    kernel = np.asarray(variables["params"]["dense"]["kernel"]).copy()
+    kernel[0, :3] = [np.inf, np.nan, -np.inf]
+    variables["params"]["dense"]["kernel"] = jnp.asarray(kernel)
+    base_dir = save_base(str(tmp_path / "base"), variables)
+    start = restore(str(tmp_path / "base"), 0, variables)
+    np.testing.assert_array_equal(np.asarray(start["params"]["dense"]["kernel"])[0, :3], kernel[0, :3])
+    state = fine_tuned(start, 0)
+    tuned = np.asarray(state["model"]["params"]["dense"]["kernel"]).copy()
+    tuned[0, :4] = [0.5, np.nan, np.inf, -0.25]  # Inf -> finite, NaN stays, -Inf -> Inf, finite -> finite
+    state["model"]["params"]["dense"]["kernel"] = jnp.asarray(tuned)
+    save_fine_tune(tmp_path, base_dir, state)[0].close()
+    got = np.asarray(restore(str(tmp_path / "ft"), 0, state)["model"]["params"]["dense"]["kernel"])
+    # All four are protected (the largest residuals): the first three exact, the last the base's value plus
+    # a bfloat16 residual.
+    np.testing.assert_array_equal(got[0, :3], tuned[0, :3])
+    change = tuned[0, 3] - np.asarray(start["params"]["dense"]["kernel"])[0, 3]
+    assert abs(got[0, 3] - tuned[0, 3]) <= abs(change) * 2.0**-8
+    assert np.isfinite(got[1:]).all() and rms(got[1:], tuned[1:]) < 0.2 * rms(tuned[1:], kernel[1:])
+
+
 def test_chain_of_fine_tune_saves_with_retention(tmp_path, capsys):
     base_dir = save_base(str(tmp_path / "base"))
     start = restored_base(str(tmp_path / "base"))
