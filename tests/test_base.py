@@ -187,8 +187,12 @@ def test_chain_of_fine_tune_saves_with_retention(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"residuals against the base checkpoint {os.path.join(base_dir, 'default')}" in out
     assert "(weights, residual, 16 levels)" in out
-    assert_keeps_the_fine_tune(restore(str(tmp_path / "ft"), 6, states[6]), states[6], start)
+    restored = restore(str(tmp_path / "ft"), 6, states[6])
+    assert_keeps_the_fine_tune(restored, states[6], start)
     leaves_equal(restore(str(tmp_path / "base"), 0, pretrained()), start)
+    # A plain Orbax export of the fine-tune needs no base to read.
+    assert cli.main(["export", str(tmp_path / "ft"), "--step", "6", str(tmp_path / "plain")]) == 0
+    leaves_equal(ocp.StandardCheckpointer().restore((tmp_path / "plain").resolve())["model"], restored["model"])
 
 
 def test_base_that_is_itself_a_delta_and_a_fine_tune(tmp_path):
