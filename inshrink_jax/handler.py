@@ -261,7 +261,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                  multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions()):
         self.config = config or CompressionConfig()
         self.base = None if base is None else BaseCheckpoint(base)
-        self._offsets: dict = {}  # (base leaf, sharding) -> its restored values
+        self._offsets: dict = {}  # (base leaf, sharding, committed) -> its restored values
         self._primary_host = multiprocessing_options.primary_host or 0
         self.last_figures: dict | None = None
         # The configuration of the last save (or restore): the search never picks a more aggressive one.
