@@ -694,7 +694,7 @@ def _base_offsets(reader: store.Reader, meta: dict, sharding, what: str) -> dict
     """The base checkpoint's values of a residual leaf, restored with `sharding`: device -> its shard (None ->
     the shard on the default device, for a NumPy target)."""
     base = reader.base()
-    base_meta = next((m for m in base.manifest["leaves"] if m["keystr"] == meta["base_leaf"]), None)
+    base_meta = base.leaves.get(meta["base_leaf"])
     if base_meta is None or base_meta.get("shape") != meta["shape"]:
         raise store.CheckpointCorruptError(
             f"{what}: stored against the base checkpoint's leaf {meta['base_leaf']}, which the base "

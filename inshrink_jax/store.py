@@ -402,6 +402,7 @@ class Reader:
         self._base: Reader | None = None
         self._objects: dict[str, _Object] = {}
         self.own = self.object(self.object_id)
+        self.leaves = {m["keystr"]: m for m in self.manifest["leaves"]}  # key path -> manifest entry
         self.shards: dict[str, list[tuple[int, dict]]] = {}
         for (leaf, _), (p, entry) in self.own.entries.items():
             self.shards.setdefault(leaf, []).append((p, entry))
