@@ -66,30 +66,18 @@ class BaseCheckpoint:
             for j in range(len(names)):
                 self._by_tail.setdefault(names[j:], []).append(key)
 
-    def describe(self, root: str, item: str) -> dict:
-        """What the manifest of a step of `root` records about its base (the object as `ref_from` names it)."""
-        return {"directory": self.directory, "object": self.ref_from(root, item), "commit_crc32": self.record_crc}
+    def describe(self) -> dict:
+        """What a step's manifest records about its base."""
+        return {"directory": self.directory, "object": self.ref, "commit_crc32": self.record_crc}
 
     def check(self, directory) -> None:
         """Raise CheckpointCorruptError, naming the step being saved at `directory`, if the base is gone or was
         saved again since this handler opened it."""
-        try:
-            _, raw = store.read_json(os.path.join(self.ref, store.COMMIT), "commit record of the base", self.directory)
-            changed = store.crc32(raw) != self.record_crc
-        except store.CheckpointCorruptError:
-            changed = True
-        if changed or not os.path.isdir(self.directory):
+        if store.record_crc(self.ref) != self.record_crc or not os.path.isdir(self.directory):
             raise store.CheckpointCorruptError(
                 f"{store.describe(directory)}: the base checkpoint {self.directory} (object {self.ref}) was deleted "
                 "or saved again since this handler opened it; a fine-tune cannot be stored against it. Restore "
                 "the base, or make a new handler with the base as it is now.")
-
-    def ref_from(self, root: str, item: str) -> str:
-        """The base object's reference as a step of `root` writes it: a plain name when the base is in the
-        same store (then that root's garbage collection keeps it while the step is listed), else its absolute
-        path."""
-        own = os.path.abspath(store.objects_dir(root, item))
-        return os.path.basename(self.ref) if os.path.dirname(self.ref) == own else self.ref
 
     def match(self, entries, shape) -> str | None:
         """The base leaf of a leaf with key path `entries` (manifest form) and `shape`: the one base parameter

@@ -357,7 +357,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                     "object": object_id, "config": _config_json(cfg),
                     "quant": None if quant is None else dataclasses.asdict(quant),
                     "leaves": leaves_meta, "raw_bytes": raw, "search": record,
-                    "base": self.base.describe(root, item) if any("base_leaf" in m for m in leaves_meta) else None,
+                    "base": self.base.describe() if any("base_leaf" in m for m in leaves_meta) else None,
                     "sensitivity": (f"gradient EMA on {sum(g is not None for g in gs)} of {len(gs)} quantized leaves"
                                     if grads else "magnitude (no grads given)")}
         process = jax.process_index()

@@ -146,6 +146,16 @@ def is_committed(root: str, item: str, object_id: str) -> bool:
     return os.path.exists(os.path.join(object_path(root, item, object_id), COMMIT))
 
 
+def record_crc(path: str) -> int | None:
+    """CRC32 of the commit record of the object directory `path`, or None if it has none that reads back whole
+    (a base checkpoint deleted or being replaced)."""
+    try:
+        _, raw = read_json(os.path.join(path, COMMIT), "commit record", path)
+    except (CheckpointCorruptError, OSError):
+        return None
+    return crc32(raw)
+
+
 def new_object_id(root: str, item: str, step: str) -> str:
     """`<step>.<n>`, n one more than any committed object of the same step name (a step saved again after
     `mngr.delete` must not overwrite data that later deltas still use). Every process computes the same id:
@@ -233,16 +243,9 @@ def finalize(directory, object_id: str, process_count: int, base: tuple[str, int
     outside: dict[str, int] = {}
     if base is not None:
         ref, expected = base
-        base_path = object_path(root, item, ref)
-        try:
-            _, raw = read_json(os.path.join(base_path, COMMIT), "commit record of the base checkpoint", directory)
-            ok = crc32(raw) == expected
-        except CheckpointCorruptError:
-            ok = False
-        if not ok:
-            raise CheckpointCorruptError(f"{describe(directory)}: the base checkpoint object {base_path} was deleted "
-                                         "or changed while this step was saved against it; the save did not "
-                                         "complete")
+        if record_crc(object_path(root, item, ref)) != expected:
+            raise CheckpointCorruptError(f"{describe(directory)}: the base checkpoint object {ref} was deleted or "
+                                         "changed while this step was saved against it; the save did not complete")
         outside[ref] = expected
     raw = write_json(os.path.join(path, COMMIT), record)
     write_json(os.path.join(directory, COMMIT),
