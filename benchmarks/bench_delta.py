@@ -29,7 +29,7 @@ import digits  # noqa: E402
 import mnist  # noqa: E402
 
 import inshrink_jax as ij  # noqa: E402
-from inshrink_jax import codec, delta, handler, quantize  # noqa: E402
+from inshrink_jax import codec, delta, quantize, save  # noqa: E402
 import report  # noqa: E402
 
 VARIANTS = ("codes", "delta", "rearranged")
@@ -54,7 +54,8 @@ def main(argv=None):
     state = mnist.create_state(0)
     stream = digits.batches(tx, ty, 128, 0)
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    metas, qidx = handler._classify(flat, cfg)
+    plan = save.plan(state.params, None, None, cfg)
+    metas, qidx = plan.records, plan.weights
     lossless = [i for i in range(len(flat)) if i not in qidx]
     rows, prev = [], None
     tmp = tempfile.mkdtemp()
@@ -66,7 +67,7 @@ def main(argv=None):
             leaves = [x for _, x in jax.tree_util.tree_flatten_with_path(state.params)[0]]
             raw = sum(x.size * 4 for x in leaves)
             encs = quantize.encode_tensors([leaves[i] for i in qidx], [None] * len(qidx),
-                                           [metas[i]["layer_type"] for i in qidx], cfg.quant, cfg)
+                                           [metas[i].layer_type for i in qidx], cfg.quant, cfg)
             fixed = sum(len(codec.compress_best(e.protected, codec.ZSTD_PLANES)[0]) + 4 * e.bins for e in encs)
             fixed += sum(len(codec.compress_best(np.asarray(leaves[i]), codec.ZSTD_PLANES)[0]) for i in lossless)
             row = {"step": step, "raw": raw, "fixed": fixed}

@@ -33,7 +33,7 @@ import digits  # noqa: E402
 import mnist  # noqa: E402
 
 import inshrink_jax as ij  # noqa: E402
-from inshrink_jax import codec, handler, quantize, search  # noqa: E402
+from inshrink_jax import codec, quantize, save, search  # noqa: E402
 import report  # noqa: E402
 
 
@@ -50,10 +50,11 @@ def timed(fn, n):
 def calibrate(state, ema, eval_fn, cfg, epsilon):
     """Eval degradation and proxy of every configuration (magnitude metric) of the cube for one state."""
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    metas, qidx = handler._classify(flat, cfg)
+    plan = save.plan(state.params, None, None, cfg)
+    metas, qidx = plan.records, plan.weights
     xs = [flat[i][1] for i in qidx]
     gs = [jax.tree.leaves(ema)[i] for i in qidx]
-    lts = [metas[i]["layer_type"] for i in qidx]
+    lts = [metas[i].layer_type for i in qidx]
     leaves, treedef = jax.tree_util.tree_flatten(state.params)
     q0 = float(eval_fn(state))
     cube = search.Cube.build(cfg.search_space, False, cfg.quant)
@@ -84,9 +85,10 @@ def entropy_table(state, cfg):
     """Order-0 entropy ratio of a keyframe's codes (+ 16-bit protected values) against `estimated_ratio`, for a
     few configurations: the measurement behind the estimate the search ranks candidates by."""
     flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    metas, qidx = handler._classify(flat, cfg)
+    plan = save.plan(state.params, None, None, cfg)
+    metas, qidx = plan.records, plan.weights
     xs = [flat[i][1] for i in qidx]
-    lts = [metas[i]["layer_type"] for i in qidx]
+    lts = [metas[i].layer_type for i in qidx]
     sizes: dict = {}
     for x, lt in zip(xs, lts):
         sizes[lt] = sizes.get(lt, 0) + x.size

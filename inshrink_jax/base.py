@@ -22,22 +22,27 @@ from __future__ import annotations
 
 import os
 
-from inshrink_jax import store
+import jax
+import numpy as np
+from etils import epath
+
+from inshrink_jax import restore, store
 
 
 def item_directory(path) -> str:
     """The inshrink_jax item directory of `path`: a step directory `<root>/<step>` with one inshrink_jax item,
     or the item directory `<root>/<step>/<item>` itself."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(os.path.join(path, store.MANIFEST)):
-        return path
-    items = sorted(d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, store.MANIFEST))) \
-        if os.path.isdir(path) else []
+    path = epath.Path(path)
+    if not store.is_external(str(path)):
+        path = epath.Path(os.path.abspath(path))
+    if (path / store.MANIFEST).exists():
+        return str(path)
+    items = sorted(d.name for d in path.iterdir() if (d / store.MANIFEST).exists()) if path.is_dir() else []
     if len(items) == 1:
-        return os.path.join(path, items[0])
+        return str(path / items[0])
     if items:
         raise ValueError(f"base checkpoint {path} holds several inshrink_jax items {items}; pass the item's "
-                         f"directory, e.g. {os.path.join(path, items[0])}")
+                         f"directory, e.g. {path / items[0]}")
     raise FileNotFoundError(f"base checkpoint {path}: no inshrink_jax checkpoint there (no {store.MANIFEST} in it "
                             "or in one of its item directories). Pass a step directory <root>/<step> written by a "
                             "CheckpointManager with InshrinkCheckpointHandler.")
@@ -56,13 +61,14 @@ class BaseCheckpoint:
         self.directory = item_directory(path)
         self.reader = store.Reader(self.directory)
         r = self.reader
-        self.ref = os.path.abspath(store.object_path(r.root, r.item, r.object_id))
+        self.ref = str(store.object_path(r.root, r.item, r.object_id))
         self.record_crc = r.commit["objects"][r.object_id]
-        self.leaves = {m["keystr"]: m for m in r.manifest["leaves"] if m.get("part") == "params" and (
-            (m["kind"] == "quantized" and m.get("method") == "weights") or m["kind"] == "array")}
+        self.leaves = {m.keystr: m for m in r.manifest.leaves if m.part == "params" and (
+            (m.kind == "quantized" and m.method == "weights") or m.kind == "array")}
+        self._values: dict = {}  # (base leaf, sharding, committed) -> its restored values
         self._by_tail: dict[tuple, list[str]] = {}
         for key, m in self.leaves.items():
-            names = _names(m["path"])
+            names = _names(m.path)
             for j in range(len(names)):
                 self._by_tail.setdefault(names[j:], []).append(key)
 
@@ -73,7 +79,7 @@ class BaseCheckpoint:
     def check(self, directory) -> None:
         """Raise CheckpointCorruptError, naming the step being saved at `directory`, if the base is gone or was
         saved again since this handler opened it."""
-        if store.record_crc(self.ref) != self.record_crc or not os.path.isdir(self.directory):
+        if store.record_crc(self.ref) != self.record_crc or not epath.Path(self.directory).is_dir():
             raise store.CheckpointCorruptError(
                 f"{store.describe(directory)}: the base checkpoint {self.directory} (object {self.ref}) was deleted "
                 "or saved again since this handler opened it; a fine-tune cannot be stored against it. Restore "
@@ -86,8 +92,18 @@ class BaseCheckpoint:
         names = _names(entries)
         for j in range(len(names)):
             hits = self._by_tail.get(names[j:], [])
-            if len(hits) == 1 and tuple(self.leaves[hits[0]]["shape"]) == tuple(shape):
+            if len(hits) == 1 and tuple(self.leaves[hits[0]].shape) == tuple(shape):
                 return hits[0]
             if hits:
                 return None
         return None
+
+    def values(self, leaf: str, x: jax.Array) -> jax.Array:
+        """The base's restored `leaf`, laid out like `x`; restored once per layout and kept (every save of a
+        fine-tune needs it: memory of one more copy of the matched weights)."""
+        key = (leaf, x.sharding, x.committed)
+        if key not in self._values:
+            values = restore.restore_leaf(self.reader, self.leaves[leaf], x)
+            # An uncommitted leaf (made by jnp without a device) may meet arrays on other devices in the encoder.
+            self._values[key] = values if x.committed else jax.device_put(np.asarray(values))
+        return self._values[key]

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 
-from inshrink_jax import codec, store
+from inshrink_jax import quantize, records, store
 
 
 class _Progress:
@@ -46,21 +47,34 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------------------------------ locating
-def _steps(root: str) -> list[int]:
+_STEP_NAME = re.compile(r"(?:.+_)?(\d+)")  # Orbax's step names: [<step_prefix>_]<step, zero-padded or not>
+
+
+def _steps(root: str) -> dict[int, str]:
+    """Step number -> step directory name of the committed steps under `root` (any `step_prefix` and
+    `step_format_fixed_length` of `CheckpointManagerOptions`)."""
     if not os.path.isdir(root):
         raise SystemExit(f"inshrink-jax: {root} is not a directory")
-    return sorted(int(d) for d in os.listdir(root) if d.isdigit() and os.path.isdir(os.path.join(root, d)))
+    out: dict[int, str] = {}
+    for d in sorted(os.listdir(root)):
+        m = _STEP_NAME.fullmatch(d)
+        if m and store.TMP_SUFFIX not in d and d != store.OBJECTS and os.path.isdir(os.path.join(root, d)):
+            if int(m.group(1)) in out:
+                raise SystemExit(f"inshrink-jax: {root} holds two directories of step {int(m.group(1))}: "
+                                 f"{out[int(m.group(1))]} and {d}")
+            out[int(m.group(1))] = d
+    return dict(sorted(out.items()))
 
 
-def _item(root: str, steps: list[int], item: str | None) -> str:
+def _item(root: str, steps: dict[int, str], item: str | None) -> str:
     """The item name: `item`, or the one item of the steps whose manifest was written by inshrink_jax."""
     if item is not None:
         return item
     found = set()
-    for s in steps:
-        for name in os.listdir(os.path.join(root, str(s))):
-            if os.path.exists(os.path.join(root, str(s), name, store.MANIFEST)):
-                found.add(name)
+    for name in steps.values():
+        for sub in os.listdir(os.path.join(root, name)):
+            if os.path.exists(os.path.join(root, name, sub, store.MANIFEST)):
+                found.add(sub)
     if len(found) == 1:
         return found.pop()
     if not found:
@@ -69,26 +83,25 @@ def _item(root: str, steps: list[int], item: str | None) -> str:
     raise SystemExit(f"inshrink-jax: several items under {root}: {sorted(found)}; pick one with --item")
 
 
-def _select(steps: list[int], step: int | None, root: str) -> list[int]:
+def _select(steps: dict[int, str], step: int | None, root: str) -> dict[int, str]:
     if step is None:
         return steps
     if step not in steps:
-        raise SystemExit(f"inshrink-jax: step {step} is not under {root}; steps there: {steps}")
-    return [step]
+        raise SystemExit(f"inshrink-jax: step {step} is not under {root}; steps there: {list(steps)}")
+    return {step: steps[step]}
 
 
 # ------------------------------------------------------------------------------------------------- inspect
 def _summary(directory: str) -> dict:
-    from inshrink_jax.handler import figures_from
-
     reader = store.Reader(directory)
-    figs = figures_from(reader.manifest, reader.own.commit)
-    leaves = [{k: m[k] for k in ("keystr", "kind", "part", "shape", "dtype", "method", "bins", "layer_type",
-                                 "base_leaf") if k in m} for m in reader.manifest["leaves"]]
+    figs = records.figures(reader.manifest, [p["figures"] for p in reader.own.commit["processes"]])
+    leaves = [{k: v for k, v in m.to_json().items() if k in ("keystr", "kind", "part", "shape", "dtype", "method",
+                                                            "bins", "layer_type", "base_leaf")}
+              for m in reader.manifest.leaves]
     return {"directory": directory, "object": reader.object_id, "bases": reader.own.commit["bases"],
             "objects": sorted(reader.commit["objects"]), "leaves": leaves,
-            "base_checkpoint": (reader.manifest.get("base") or {}).get("directory"),
-            "config": reader.manifest["config"], **figs}
+            "base_checkpoint": (reader.manifest.base or {}).get("directory"),
+            "config": reader.manifest.config, **figs}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -107,9 +120,9 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
     steps = _steps(root)
     item = _item(root, steps, item)
     out = {}
-    for s in _select(steps, step, root):
+    for s, name in _select(steps, step, root).items():
         try:
-            out[s] = _summary(os.path.join(root, str(s), item))
+            out[s] = _summary(os.path.join(root, name, item))
         except store.CheckpointCorruptError as e:
             out[s] = {"error": str(e)}
     if as_json:
@@ -147,7 +160,6 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
 # -------------------------------------------------------------------------------------------------- verify
 def _verify_step(directory: str) -> list[str]:
     """Every problem of one step's item: records, every segment's checksum and size, every delta chain."""
-    problems = []
     try:
         reader = store.Reader(directory)
         for oid in reader.commit["objects"]:
@@ -155,40 +167,37 @@ def _verify_step(directory: str) -> list[str]:
         reader.base()  # the base checkpoint, if any: there, and the one the step was saved against
     except store.CheckpointCorruptError as e:
         return [str(e)]
-    for meta in reader.manifest["leaves"]:
-        if meta["kind"] in ("scalar", "dropped"):
+    problems = []
+    for meta in reader.manifest.leaves:
+        if meta.kind in ("scalar", "dropped"):
             continue
-        leaf = meta["keystr"]
-        shards = reader.shards.get(leaf, [])
+        shards = reader.shards.get(meta.keystr, [])
         if not shards:
-            problems.append(f"{store.describe(directory)}: leaf {leaf}: no stored shard")
-            continue
+            problems.append(f"{store.describe(directory)}: leaf {meta.keystr}: no stored shard")
         for p, entry in shards:
             try:
-                shape = [b[1] - b[0] for b in entry["box"]]
-                if meta["kind"] == "quantized":
-                    codes, _ = reader.codes(leaf, entry["box"])
-                    seg = entry["segments"]["protected"]
-                    itemsize = jnp.dtype(seg["dtype"]).itemsize
-                    raw = codec.decompress(reader.segment(leaf, p, seg, "protected"), seg["codec"], itemsize)
-                    n = int(np.count_nonzero(codes == meta["bins"] + 1))
-                    if len(raw) != n * itemsize or seg["count"] != n:
-                        raise store.CheckpointCorruptError(
-                            f"{store.describe(directory)}: leaf {leaf}: {n} protected codes but {seg['count']} "
-                            "protected values")
-                else:
-                    seg = entry["segments"]["data"]
-                    itemsize = jnp.dtype(meta["dtype"]).itemsize  # a PRNG key's is its key data's, uint32
-                    raw = codec.decompress(reader.segment(leaf, p, seg, "data"), seg["codec"], itemsize)
-                    if len(raw) != int(np.prod(shape)) * itemsize:
-                        raise store.CheckpointCorruptError(
-                            f"{store.describe(directory)}: leaf {leaf}: shard {entry['box']} holds {len(raw)} bytes, "
-                            f"expected {int(np.prod(shape)) * itemsize}")
+                _verify_shard(reader, meta, p, entry)
             except store.CheckpointCorruptError as e:
                 problems.append(str(e))
-            except Exception as e:  # a corrupted stream that still matched its checksum, or a codec error
-                problems.append(f"{store.describe(directory)}: leaf {leaf}: {type(e).__name__}: {e}")
     return problems
+
+
+def _verify_shard(reader: store.Reader, meta: records.Leaf, p: int, entry: records.Shard) -> None:
+    """Decode one stored shard through the checked decode path; CheckpointCorruptError names what is wrong."""
+    shape = store.box_shape(entry.box)
+    if meta.kind != "quantized":  # a PRNG key's dtype is its key data's, uint32
+        reader.array(meta.keystr, p, entry.segments["data"], "data", jnp.dtype(meta.dtype), shape)
+        return
+    codes, _ = reader.codes(meta.keystr, entry.box)
+    seg = entry.segments["protected"]
+    n = int(np.count_nonzero(codes == quantize.protected_code(meta.bins)))
+    if seg.count != n:
+        raise store.CheckpointCorruptError(f"{store.describe(reader.directory)}: leaf {meta.keystr}: {n} protected "
+                                           f"codes but {seg.count} protected values")
+    reader.array(meta.keystr, p, seg, "protected", jnp.dtype(seg.dtype), [n])
+    if int(codes.max(initial=0)) > quantize.protected_code(meta.bins):
+        raise store.CheckpointCorruptError(f"{store.describe(reader.directory)}: leaf {meta.keystr}: codes above "
+                                           f"the {meta.bins} levels of the leaf")
 
 
 def verify(root: str, step: int | None, item: str | None) -> int:
@@ -197,8 +206,8 @@ def verify(root: str, step: int | None, item: str | None) -> int:
     chosen = _select(steps, step, root)
     progress = _Progress("verify", len(chosen))
     problems = []
-    for s in chosen:
-        problems += _verify_step(os.path.join(root, str(s), item))
+    for s, name in chosen.items():
+        problems += _verify_step(os.path.join(root, name, item))
         progress.step(f"step {s}")
     problems = list(dict.fromkeys(problems))  # one line per distinct problem
     for p in problems:
@@ -216,13 +225,12 @@ def export(root: str, step: int, item: str | None, out: str) -> int:
 
     steps = _steps(root)
     item = _item(root, steps, item)
-    _select(steps, step, root)
-    directory = os.path.join(root, str(step), item)
+    directory = os.path.join(root, _select(steps, step, root)[step], item)
     if os.path.exists(out):
         raise SystemExit(f"inshrink-jax: {out} exists; export writes a new directory")
     state = InshrinkCheckpointHandler().restore(directory, InshrinkRestore())
     reader = store.Reader(directory)
-    dropped = [m["keystr"] for m in reader.manifest["leaves"] if m["kind"] == "dropped"]
+    dropped = [m.keystr for m in reader.manifest.leaves if m.kind == "dropped"]
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(out), state)
     print(f"step {step} of {root} (item {item!r}) written to {out} as a plain Orbax StandardCheckpointer "
@@ -238,13 +246,13 @@ def export(root: str, step: int, item: str | None, out: str) -> int:
 def gc(root: str, item: str | None, apply: bool) -> int:
     steps = _steps(root)
     item = _item(root, steps, item)
-    plan = store.collect_garbage(root, item, dry_run=not apply, keep_uncommitted=True)
+    plan = store.collect_garbage(root, item, dry_run=not apply, concurrent=True)
     if plan is None:
         print(f"{root}: some step's records cannot be read (run verify); nothing is collected")
         return 1
     objects, files = plan
     size = sum(os.path.getsize(os.path.join(d, f)) for o in objects
-               for d, _, fs in os.walk(os.path.join(store.objects_dir(root, item), o)) for f in fs) if not apply else 0
+               for d, _, fs in os.walk(str(store.objects_dir(root, item) / o)) for f in fs) if not apply else 0
     verb = "deleted" if apply else "would delete"
     print(f"{root}: item {item!r}: {verb} {len(objects)} unreferenced object(s) and {len(files)} data file(s) of "
           "objects kept only as delta bases" + (f" ({_fmt_bytes(size + sum(s for _, s in files))})"
@@ -253,8 +261,9 @@ def gc(root: str, item: str | None, apply: bool) -> int:
         print(f"  object {o}")
     for f, _ in files:
         print(f"  file {f}")
-    pending = [n for n in os.listdir(store.objects_dir(root, item))
-               if not store.is_committed(root, item, n)] if os.path.isdir(store.objects_dir(root, item)) else []
+    objects_dir = str(store.objects_dir(root, item))
+    pending = [n for n in os.listdir(objects_dir)
+               if not store.is_committed(root, item, n)] if os.path.isdir(objects_dir) else []
     if pending:
         print(f"  left alone: {len(pending)} uncommitted object(s) (a save in flight, or one that crashed; the next "
               f"save collects them): {', '.join(sorted(pending))}")

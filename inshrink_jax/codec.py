@@ -44,11 +44,8 @@ def _bytes_view(data: bytes | np.ndarray) -> np.ndarray:
     return np.frombuffer(data, np.uint8)
 
 
-def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_LEVEL, threads: int = 0) -> bytes:
-    """Compress a byte string or the raw bytes of an array with `codec` (see the module docstring).
-
-    `threads` > 0 lets zstandard use that many worker threads (it releases the GIL either way).
-    """
+def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_LEVEL) -> bytes:
+    """Compress a byte string or the raw bytes of an array with `codec` (see the module docstring)."""
     if codec == ZSTD_PLANES:
         arr = np.ascontiguousarray(data)
         buf = arr.reshape(-1).view(np.uint8).reshape(-1, arr.dtype.itemsize).T.copy() if arr.size else b""
@@ -59,14 +56,14 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         extra = gaps // 255
         runs = np.full(gaps.size + int(extra.sum()), 255, np.uint8)
         runs[np.cumsum(extra + 1) - 1] = gaps % 255
-        packed = compress(runs, ZSTD, level, threads)
+        packed = compress(runs, ZSTD, level)
         return (np.array([arr.size, len(packed)], "<u8").tobytes() + packed
-                + compress(arr[nonzero], ZSTD, level, threads))
+                + compress(arr[nonzero], ZSTD, level))
     elif codec == ZSTD:
         buf = _bytes_view(data)
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
-    return zstandard.ZstdCompressor(level=level, threads=threads).compress(buf)
+    return zstandard.ZstdCompressor(level=level).compress(buf)
 
 
 def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
@@ -80,25 +77,63 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = 
     return (best[0], best[1]) if best[0] is not None else (raw.tobytes(), RAW)
 
 
-def decompress(blob: bytes, codec: str, itemsize: int = 1) -> bytes:
-    """Inverse of `compress`; `itemsize` is the element size the planes were split by (zstd-planes only)."""
+class CodecError(ValueError):
+    """A stream that does not decode to the size its record states (or not at all)."""
+
+
+def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
+    """Inverse of `compress`: exactly `size` bytes, or CodecError (nothing larger is ever allocated, whatever
+    the stream's own header claims); `itemsize` is the element size the planes were split by (zstd-planes)."""
+    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE):
+        raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
     if codec == RAW:
-        return bytes(blob)
-    if codec not in (ZSTD, ZSTD_PLANES, ZSTD_RLE):
-        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
-    if codec == ZSTD_RLE:
-        n, k = (int(v) for v in np.frombuffer(blob[:16], "<u8"))
-        runs = np.frombuffer(decompress(blob[16:16 + k], ZSTD), np.uint8)
-        ends = np.flatnonzero(runs != 255)  # each ends one run: 255 * (preceding 255s) + its own value
-        gaps = runs[ends].astype(np.int64) + 255 * (np.diff(ends, prepend=-1) - 1)
-        out = np.zeros(n, np.uint8)
-        out[np.cumsum(gaps + 1) - 1] = np.frombuffer(decompress(blob[16 + k:], ZSTD), np.uint8)
-        return out.tobytes()
-    raw = zstandard.ZstdDecompressor().decompress(blob)
-    if codec == ZSTD:
-        return raw
-    planes = np.frombuffer(raw, np.uint8).reshape(itemsize, -1)  # ZSTD_PLANES
-    return planes.T.tobytes()
+        out = bytes(blob)
+    elif codec == ZSTD_RLE:
+        out = _decompress_rle(blob, size)
+    else:
+        out = _zstd(blob, size)
+    if len(out) != size:
+        raise CodecError(f"stream decodes to {len(out)} bytes, expected {size}")
+    if codec == ZSTD_PLANES and size:
+        if size % itemsize:
+            raise CodecError(f"{size} bytes are not whole elements of {itemsize} bytes")
+        out = np.frombuffer(out, np.uint8).reshape(itemsize, -1).T.tobytes()
+    return out
+
+
+def _zstd(blob: bytes, limit: int) -> bytes:
+    """A zstandard frame of at most `limit` bytes; its header's content size is checked before anything is
+    allocated by it."""
+    try:
+        declared = zstandard.get_frame_parameters(blob).content_size
+        if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
+            raise CodecError(f"zstandard frame declares {declared} bytes, at most {limit} expected")
+        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(limit, 1))
+    except zstandard.ZstdError as e:
+        raise CodecError(f"zstandard stream does not decode ({e})") from None
+    if len(out) > limit:
+        raise CodecError(f"zstandard stream decodes to {len(out)} bytes, at most {limit} expected")
+    return out
+
+
+def _decompress_rle(blob: bytes, size: int) -> bytes:
+    if len(blob) < 16:
+        raise CodecError("zstd-rle stream shorter than its header")
+    n, k = (int(v) for v in np.frombuffer(blob[:16], "<u8"))
+    if n != size or k > len(blob) - 16:
+        raise CodecError(f"zstd-rle header states {n} symbols in {k} bytes; expected {size} symbols")
+    runs = np.frombuffer(_zstd(blob[16:16 + k], n + n // 255 + 1), np.uint8)
+    ends = np.flatnonzero(runs != 255)  # each ends one run: 255 * (preceding 255s) + its own value
+    gaps = runs[ends].astype(np.int64) + 255 * (np.diff(ends, prepend=-1) - 1)
+    positions = np.cumsum(gaps + 1) - 1
+    if positions.size and positions[-1] >= n:
+        raise CodecError("zstd-rle runs point past the end of the stream")
+    values = np.frombuffer(_zstd(blob[16 + k:], positions.size), np.uint8)
+    if values.size != positions.size:
+        raise CodecError(f"zstd-rle stream holds {values.size} values for {positions.size} runs")
+    out = np.zeros(n, np.uint8)
+    out[positions] = values
+    return out.tobytes()
 
 
 def order0_entropy_bytes(symbols: np.ndarray) -> float:

@@ -33,12 +33,10 @@ from inshrink_jax import kmeans, sketch
 from inshrink_jax.config import CompressionConfig
 from inshrink_jax.quantize import PRUNED, DeviceCodes, seed_key
 
-# First moments follow their weight's pruning; second moments never do: a weight pruned to 0 with mu = 0 and
-# its nu kept gets a small first update (mu / sqrt(nu) starts at (1 - b1) g / sqrt(nu)), while mu = nu = 0
-# would make Adam's next updates (1 - b1^t) / sqrt(1 - b2^t) ~ 3-6.5 times the learning rate on those weights.
-FIRST_MOMENT_NAMES = ("mu", "trace")
-SECOND_MOMENT_NAMES = ("nu", "nu_max")
-MOMENT_NAMES = FIRST_MOMENT_NAMES + SECOND_MOMENT_NAMES
+# Which leaves are moments, and which are first moments, is policy.py's decision. First moments follow their
+# weight's pruning; second moments never do: a weight pruned to 0 with mu = 0 and its nu kept gets a small first
+# update (mu / sqrt(nu) starts at (1 - b1) g / sqrt(nu)), while mu = nu = 0 would make Adam's next updates
+# (1 - b1^t) / sqrt(1 - b2^t) ~ 3-6.5 times the learning rate on those weights.
 
 
 def table_size(bins: int) -> int:

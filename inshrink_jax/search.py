@@ -316,12 +316,11 @@ class Evaluator:
     """
 
     def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
-                 cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, what: str = "eval_fn",
-                 offsets: Sequence | None = None):
+                 cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, offsets: Sequence | None = None):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
         self.xs = [leaves[i] for i in self.quant_idx]
         self.offsets = offsets
-        self.gs, self.layer_types, self.cfg, self.eval_fn, self.what = list(gs), list(layer_types), cfg, eval_fn, what
+        self.gs, self.layer_types, self.cfg, self.eval_fn = list(gs), list(layer_types), cfg, eval_fn
         self.eval_calls = 0
         self.baseline: float | None = None  # measured with the first candidates
 
@@ -334,7 +333,7 @@ class Evaluator:
         try:
             return float(np.asarray(value).reshape(()))
         except (TypeError, ValueError):
-            raise ValueError(f"{self.what} must return one scalar (a loss, or an accuracy with "
+            raise ValueError(f"eval_fn must return one scalar (a loss, or an accuracy with "
                              f"CompressionConfig(higher_is_better=True)); it returned {value!r}") from None
 
     def degradation(self, q: float) -> float:

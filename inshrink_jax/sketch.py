@@ -13,7 +13,6 @@ Subnormal magnitudes (< 2^-126) share the smallest bucket; NaN and +-Inf are nev
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -100,24 +99,3 @@ def histogram(x: jax.Array, spec: SketchSpec, mask: jax.Array | None = None) -> 
     """
     keep = jnp.isfinite(x) if mask is None else (mask & jnp.isfinite(x))
     return jnp.zeros(spec.num_buckets, jnp.int32).at[bucket_index(x, spec)].add(keep.astype(jnp.int32))
-
-
-def merge(*histograms: jax.Array) -> jax.Array:
-    """The histogram of the union of the data behind `histograms` (counts add)."""
-    return functools.reduce(jnp.add, histograms)
-
-
-def quantile(counts, q, spec: SketchSpec) -> np.ndarray:
-    """Value at quantile `q` (scalar or array) of the data behind `counts`.
-
-    The rank is floor(q * (n - 1)), the order statistic NumPy's quantile(..., method="lower") returns; the
-    answer is within relative error alpha of it (NaN when the histogram is empty). The histogram is small, so
-    the lookup runs on the host in float64, where ranks of tensors with more than 2^24 elements are exact.
-    """
-    cum = np.cumsum(np.asarray(counts, dtype=np.int64))
-    n = int(cum[-1])
-    if n == 0:
-        return np.full(np.shape(q), np.nan, np.float32)
-    rank = np.floor(np.asarray(q, np.float64) * (n - 1)).astype(np.int64)
-    idx = np.searchsorted(cum, rank, side="right")
-    return spec.representatives()[idx]

@@ -20,20 +20,26 @@ need but whose own step is gone keeps only its code streams: its `data.<p>` file
 otherwise keep every lossless optimizer state along it).
 
 Nothing here executes code from the files (JSON only, no pickle). Every read is checked: a missing file, a
-wrong size or a CRC mismatch raises `CheckpointCorruptError` naming the step, the item and the leaf.
+wrong size, a CRC mismatch, a record that does not parse (records.py) or a stream that does not decode to the
+size its record states raises `CheckpointCorruptError` naming the step, the item and the leaf; `Reader.array` is
+the one checked decode path (restore, delta chains and `inshrink-jax verify` all read through it). An object
+reference is a plain name inside this root's store or, for the base of fine-tunes only, an absolute path named
+by the manifest. All I/O goes through `etils.epath`, so any root Orbax accepts is a root this store accepts.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
+import re
+import warnings
 import zlib
 from typing import Any
 
 import numpy as np
+from etils import epath
 
-from inshrink_jax import codec, delta
+from inshrink_jax import codec, delta, records
+from inshrink_jax.records import CODES_FILE, DATA_FILE
 
 FORMAT = "inshrink_jax"
 FORMAT_VERSION = 6  # 4: leaves of kind "dropped"; quantized leaves of method "moments"
@@ -44,58 +50,60 @@ MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 OBJECTS = "inshrink_objects"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 
 
 class CheckpointCorruptError(RuntimeError):
-    """A checkpoint file is missing, truncated or does not match its checksum."""
+    """A checkpoint file is missing, truncated, does not match its checksum, or does not parse."""
 
 
 def _base(name: str) -> str:
     return name.split(TMP_SUFFIX)[0]
 
 
-def locate(directory) -> tuple[str, str, str]:
+def locate(directory) -> tuple[epath.Path, str, str]:
     """(root, item name, step name) of an Orbax item directory `<root>/<step>[tmp]/<item>[tmp]`."""
-    d = os.path.normpath(os.fspath(directory))
-    step_dir = os.path.dirname(d)
-    return os.path.dirname(step_dir), _base(os.path.basename(d)), _base(os.path.basename(step_dir))
+    d = epath.Path(directory)
+    return d.parent.parent, _base(d.name), _base(d.parent.name)
 
 
 def describe(directory) -> str:
     """'step S, item I (path)' for error messages, from an Orbax item directory."""
     _, item, step = locate(directory)
-    return f"step {step}, item {item!r} ({os.fspath(directory)})"
+    return f"step {step}, item {item!r} ({directory})"
 
 
 def _missing(directory, what: str) -> CheckpointCorruptError:
     """The error for a file that is not there: a step deleted while it was read (retention, `mngr.delete`) is
     told apart from a damaged one."""
-    if not os.path.isdir(os.fspath(directory)):
+    if not epath.Path(directory).is_dir():
         return CheckpointCorruptError(f"{describe(directory)} was deleted while it was being read (retention or "
                                       f"mngr.delete): {what} is gone. Restore a step that is still listed.")
     return CheckpointCorruptError(f"{describe(directory)}: {what} is missing")
 
 
-def objects_dir(root: str, item: str) -> str:
-    return os.path.join(root, OBJECTS, item)
-
-
-def object_path(root: str, item: str, ref: str) -> str:
-    """Directory of the object `ref`: a name in this root's store, or the absolute path of an object in another
-    root's store (the base checkpoint of fine-tunes, `InshrinkCheckpointHandler(base=...)`)."""
-    return ref if os.path.isabs(ref) else os.path.join(objects_dir(root, item), ref)
+def objects_dir(root, item: str) -> epath.Path:
+    return epath.Path(root) / OBJECTS / item
 
 
 def is_external(ref: str) -> bool:
-    """Whether an object reference points into another root's store."""
-    return os.path.isabs(ref)
+    """Whether an object reference points into another root's store (an absolute path or URL)."""
+    return ref.startswith("/") or "://" in ref
+
+
+def object_path(root, item: str, ref: str) -> epath.Path:
+    """Directory of the object `ref`: a name in this root's store, or the absolute path of an object in another
+    root's store (the base checkpoint of fine-tunes, `InshrinkCheckpointHandler(base=...)`). A name that could
+    leave the store (a separator, '..') is refused."""
+    if is_external(ref):
+        return epath.Path(ref)
+    if not _OBJECT_NAME.match(ref) or ".." in ref:
+        raise CheckpointCorruptError(f"object reference {ref!r} is not a plain object name of {objects_dir(root, item)}")
+    return objects_dir(root, item) / ref
 
 
 def crc32(data: bytes) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
-
-
-CODES_FILE, DATA_FILE = "blob", "data"
 
 
 def blob_name(process: int, file: str = CODES_FILE) -> str:
@@ -116,23 +124,21 @@ def write_json(path, obj) -> bytes:
     Returns the bytes written."""
     body = _canonical(obj)
     raw = b'{"crc32":%d,"body":' % crc32(body) + body + b"}"
-    with open(path, "wb") as f:
-        f.write(raw)
+    epath.Path(path).write_bytes(raw)
     return raw
 
 
 def read_json(path, what: str, directory) -> tuple[Any, bytes]:
     """(object, raw file bytes) of a file written by `write_json`, checked against its CRC32."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = epath.Path(path).read_bytes()
     except FileNotFoundError:
         raise _missing(directory, f"{what} {path}") from None
     try:
         wrapped = json.loads(raw)
         body = wrapped["body"]
         ok = crc32(_canonical(body)) == wrapped["crc32"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
         ok = False
     if not ok:
         raise CheckpointCorruptError(f"{describe(directory)}: {what} {path} is truncated or corrupted "
@@ -140,31 +146,54 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
     return body, raw
 
 
+def read_manifest(directory) -> records.Manifest:
+    """The checked manifest of a step item; a newer format, a foreign item or a bad record is a named error."""
+    body, _ = read_json(epath.Path(directory) / MANIFEST, "manifest", directory)
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{describe(directory)}: not an inshrink_jax checkpoint item")
+    version = body.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointCorruptError(f"{describe(directory)}: written by format version {version}, this release "
+                                     f"reads up to {FORMAT_VERSION}; upgrade inshrink_jax")
+    if version == 5 and body.get("base"):
+        raise CheckpointCorruptError(
+            f"{describe(directory)}: a fine-tune of format version 5 (level-index deltas against a base "
+            "checkpoint, which kept only weights that changed level: the fine-tune was lost); this release "
+            "does not read it. Save the fine-tuned weights again against the base.")
+    try:
+        return records.Manifest.from_json(body)
+    except (records.RecordError, TypeError) as e:
+        raise CheckpointCorruptError(f"{describe(directory)}: manifest: {e}") from None
+
+
 # ------------------------------------------------------------------------------------------------- objects
-def is_committed(root: str, item: str, object_id: str) -> bool:
+def is_committed(root, item: str, object_id: str) -> bool:
     """Whether `object_id` was finalized (its commit record exists): only such objects are delta bases."""
-    return os.path.exists(os.path.join(object_path(root, item, object_id), COMMIT))
+    return (object_path(root, item, object_id) / COMMIT).exists()
 
 
-def record_crc(path: str) -> int | None:
+def record_crc(path) -> int | None:
     """CRC32 of the commit record of the object directory `path`, or None if it has none that reads back whole
     (a base checkpoint deleted or being replaced)."""
     try:
-        _, raw = read_json(os.path.join(path, COMMIT), "commit record", path)
+        _, raw = read_json(epath.Path(path) / COMMIT, "commit record", path)
     except (CheckpointCorruptError, OSError):
         return None
     return crc32(raw)
 
 
-def new_object_id(root: str, item: str, step: str) -> str:
+def _listdir(path: epath.Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def new_object_id(root, item: str, step: str) -> str:
     """`<step>.<n>`, n one more than any committed object of the same step name (a step saved again after
     `mngr.delete` must not overwrite data that later deltas still use). Every process computes the same id:
     objects are committed only in `finalize`, which Orbax completes on all processes before the next save."""
-    try:
-        names = os.listdir(objects_dir(root, item))
-    except FileNotFoundError:
-        names = []
-    used = [int(n.rsplit(".", 1)[1]) for n in names
+    used = [int(n.rsplit(".", 1)[1]) for n in _listdir(objects_dir(root, item))
             if n.rsplit(".", 1)[0] == step and n.rsplit(".", 1)[-1].isdigit() and is_committed(root, item, n)]
     return f"{step}.{max(used) + 1 if used else 0}"
 
@@ -173,38 +202,51 @@ class BlobWriter:
     """Accumulates this process's segments of one object; `close` writes blob.<p> (code streams), data.<p>
     (every other segment) and index.<p>.json."""
 
-    def __init__(self, object_path: str, process: int):
-        self.path = object_path
+    def __init__(self, object_path, process: int):
+        self.path = epath.Path(object_path)
         self.process = process
-        self.entries: list[dict] = []
+        self.entries: list[records.Shard] = []
         self._parts: dict[str, list[bytes]] = {CODES_FILE: [], DATA_FILE: []}
         self._offset = {CODES_FILE: 0, DATA_FILE: 0}
 
-    def add(self, leaf: str, box: list[list[int]], segments: dict[str, tuple[bytes, str, dict]]) -> None:
-        """One shard of one leaf (by key path): segments name -> (compressed bytes, codec id, extra fields).
-        The segment named "codes" goes to the code-stream file, the others to the data file."""
-        entry = {"leaf": leaf, "box": box, "segments": {}}
+    def add(self, leaf: str, box: list[list[int]], segments: dict[str, tuple[bytes, str, dict]]) -> int:
+        """One shard of one leaf (by key path): segments name -> (compressed bytes, codec id, extra Segment
+        fields). The segment named "codes" goes to the code-stream file, the others to the data file. Returns
+        the bytes added."""
+        out, added = {}, 0
         for name, (data, codec_id, extra) in segments.items():
             file = CODES_FILE if name == "codes" else DATA_FILE
-            entry["segments"][name] = {"file": file, "offset": self._offset[file], "length": len(data),
-                                       "crc32": crc32(data), "codec": codec_id, **extra}
+            out[name] = records.Segment(file, self._offset[file], len(data), crc32(data), codec_id, **extra)
             self._parts[file].append(data)
             self._offset[file] += len(data)
-        self.entries.append(entry)
+            added += len(data)
+        self.entries.append(records.Shard(leaf, box, out))
+        return added
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self._offset.values())
-
-    def close(self, figures: dict) -> None:
-        os.makedirs(self.path, exist_ok=True)
+    def close(self, figures: records.ProcessFigures) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
         for file, parts in self._parts.items():
-            with open(os.path.join(self.path, blob_name(self.process, file)), "wb") as f:
+            with (self.path / blob_name(self.process, file)).open("wb") as f:
                 for part in parts:
                     f.write(part)
-        write_json(os.path.join(self.path, index_name(self.process)),
+        write_json(self.path / index_name(self.process),
                    {"process": self.process, "blob_bytes": self._offset[CODES_FILE],
-                    "data_bytes": self._offset[DATA_FILE], "entries": self.entries, "figures": figures})
+                    "data_bytes": self._offset[DATA_FILE], "entries": [e.to_json() for e in self.entries],
+                    "figures": figures})
+
+
+def _index(path: epath.Path, p: int, directory) -> tuple[dict, bytes, list[records.Shard]]:
+    """Process p's offset table in the object at `path`: (its JSON, raw bytes, shard entries), checked."""
+    index, raw = read_json(path / index_name(p), "offset table", directory)
+    try:
+        if not isinstance(index, dict) or not isinstance(index.get("entries"), list):
+            raise records.RecordError("no entries")
+        for key in ("blob_bytes", "data_bytes"):
+            if not isinstance(index.get(key), int) or index[key] < 0:
+                raise records.RecordError(f"no valid {key!r}")
+        return index, raw, [records.Shard.from_json(e) for e in index["entries"]]
+    except records.RecordError as e:
+        raise CheckpointCorruptError(f"{describe(directory)}: offset table {path / index_name(p)}: {e}") from None
 
 
 def finalize(directory, object_id: str, process_count: int, base: tuple[str, int] | None = None) -> dict:
@@ -219,23 +261,23 @@ def finalize(directory, object_id: str, process_count: int, base: tuple[str, int
     changed: the save then fails and Orbax does not list the step.
     """
     root, item, _ = locate(directory)
-    path = os.path.join(objects_dir(root, item), object_id)
+    path = object_path(root, item, object_id)
     record: dict = {"processes": [], "bases": []}
     bases = set()
     for p in range(process_count):
-        index, raw = read_json(os.path.join(path, index_name(p)), "offset table", directory)
+        index, raw, shards = _index(path, p, directory)
         for file, key in ((CODES_FILE, "blob_bytes"), (DATA_FILE, "data_bytes")):
-            blob = os.path.join(path, blob_name(p, file))
-            if not os.path.exists(blob) or os.path.getsize(blob) != index[key]:
+            blob = path / blob_name(p, file)
+            if not blob.exists() or blob.stat().length != index[key]:
                 raise CheckpointCorruptError(f"{describe(directory)}: {blob_name(p, file)} of process {p} in {path} "
                                              "is missing or has the wrong size; the save did not complete")
         record["processes"].append({"index_crc32": crc32(raw), "blob_bytes": index["blob_bytes"],
                                     "data_bytes": index["data_bytes"], "figures": index["figures"]})
-        bases.update(s["base"] for e in index["entries"] for s in e["segments"].values() if "base" in s)
+        bases.update(s.base for e in shards for s in e.segments.values() if s.base is not None)
     closure: dict[str, int] = {}
     for b in sorted(bases):
-        base_record, raw = read_json(os.path.join(objects_dir(root, item), b, COMMIT),
-                                     f"commit record of delta base {b}", directory)
+        base_record, raw = read_json(object_path(root, item, b) / COMMIT, f"commit record of delta base {b}",
+                                     directory)
         closure[b] = crc32(raw)
         closure.update(base_record["closure"])
     record["bases"] = sorted(bases)
@@ -247,76 +289,95 @@ def finalize(directory, object_id: str, process_count: int, base: tuple[str, int
             raise CheckpointCorruptError(f"{describe(directory)}: the base checkpoint object {ref} was deleted or "
                                          "changed while this step was saved against it; the save did not complete")
         outside[ref] = expected
-    raw = write_json(os.path.join(path, COMMIT), record)
-    write_json(os.path.join(directory, COMMIT),
+    raw = write_json(path / COMMIT, record)
+    write_json(epath.Path(directory) / COMMIT,
                {"object": object_id, "objects": {object_id: crc32(raw), **closure, **outside}})
-    collect_garbage(root, item, current=directory)
+    try:  # the save is complete: collecting garbage is housekeeping that must not fail it
+        collect_garbage(root, item, current=directory)
+    except OSError as e:
+        warnings.warn(f"{describe(directory)}: collecting unreferenced objects failed ({e}); the next save or "
+                      "`inshrink-jax gc` collects them", stacklevel=2)
     return record
 
 
-def referenced_objects(root: str, item: str, current=None) -> tuple[set[str], set[str]] | None:
+def referenced_objects(root, item: str, current=None) -> tuple[set[str], set[str], set[str]] | None:
     """(objects referenced by the committed steps under `root` and the step being finalized at `current`, the
-    subset that is some such step's own object). None if some step's records cannot be read: then nothing may
-    be deleted."""
+    subset that is some such step's own object, the step names of saves in flight: Orbax's temporary step
+    directories). None if some step's records cannot be read: then nothing may be deleted."""
     refs: set[str] = set()
     own: set[str] = set()
-    dirs = [os.path.join(root, d, item) for d in os.listdir(root) if TMP_SUFFIX not in d and d != OBJECTS]
-    for d in dirs + ([os.fspath(current)] if current is not None else []):
-        if not os.path.isdir(d):
+    in_flight: set[str] = set()
+    dirs = []
+    for d in epath.Path(root).iterdir():
+        if d.name == OBJECTS:
             continue
+        if TMP_SUFFIX in d.name:
+            in_flight.add(_base(d.name))
+        else:
+            dirs.append(d / item)
+    for d in dirs + ([epath.Path(current)] if current is not None else []):
         try:
-            commit, _ = read_json(os.path.join(d, COMMIT), "commit record", d)
+            commit, _ = read_json(d / COMMIT, "commit record", d)
         except (CheckpointCorruptError, OSError):
-            if os.path.exists(os.path.join(d, MANIFEST)):
+            if (d / MANIFEST).exists():
                 return None  # a step we cannot read: keep everything rather than guess
             continue
+        if not isinstance(commit, dict) or not isinstance(commit.get("objects"), dict):
+            return None
         refs.update(commit["objects"])
-        own.add(commit["object"])
-    return refs, own
+        own.add(commit.get("object"))
+    return refs, own, in_flight
 
 
-def collect_garbage(root: str, item: str, current=None, dry_run: bool = False, keep_uncommitted: bool = False):
+def collect_garbage(root, item: str, current=None, dry_run: bool = False, concurrent: bool = False):
     """Delete the objects no committed step references, and the data files of objects only later deltas
     reference (primary host only). Returns (ids of the objects, [(path, bytes)] of the data files) deleted, or
     that would be with `dry_run`; None when some step's records cannot be read (then nothing is deleted).
-    `keep_uncommitted` leaves objects without a commit record alone (a save may be writing them: outside
-    `finalize` nobody can tell a save in flight from one that crashed)."""
+
+    `concurrent`: collecting outside a save (`inshrink-jax gc`), possibly while a job saves: objects without a
+    commit record and the objects of saves in flight (a temporary step directory of their step) are left
+    alone, since a save may be between writing them and Orbax's rename of its step. Deleting what another
+    collector deleted first is not an error."""
+    names = _listdir(objects_dir(root, item))  # listed before the steps: an object made later is not a candidate
     found = referenced_objects(root, item, current)
     if found is None:
         return None
-    refs, own = found
-    try:
-        names = os.listdir(objects_dir(root, item))
-    except FileNotFoundError:
-        return [], []
-    gone = sorted(n for n in names if n not in refs and not (keep_uncommitted and not is_committed(root, item, n)))
+    refs, own, in_flight = found
+    gone = sorted(n for n in names if n not in refs and not (concurrent and (
+        not is_committed(root, item, n) or n.rsplit(".", 1)[0] in in_flight)))
     files = []
-    for n in sorted(r for r in refs - own if not is_external(r)):
+    for n in sorted(r for r in refs - own if not is_external(r) and r in names):
         # a delta base whose own step is gone: its code streams are all that is read. (Objects of another root,
         # the base of fine-tunes, belong to that root: never touched here.)
-        path = os.path.join(objects_dir(root, item), n)
-        for f in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        for f in sorted(_listdir(objects_dir(root, item) / n)):
             if f.startswith(DATA_FILE + "."):
-                files.append((os.path.join(path, f), os.path.getsize(os.path.join(path, f))))
+                path = objects_dir(root, item) / n / f
+                try:
+                    files.append((path, path.stat().length))
+                except FileNotFoundError:
+                    continue
     if not dry_run:
         for n in gone:
-            shutil.rmtree(os.path.join(objects_dir(root, item), n), ignore_errors=True)
+            try:
+                (objects_dir(root, item) / n).rmtree(missing_ok=True)
+            except FileNotFoundError:  # another collector is deleting it too
+                pass
         for f, _ in files:
-            os.remove(f)
+            f.unlink(missing_ok=True)
     return gone, files
 
 
 # ---------------------------------------------------------------------------------------------------- read
 class _Object:
-    """Checked access to one object's indices and blobs."""
+    """Checked access to one object's offset tables and blobs."""
 
-    def __init__(self, root: str, item: str, object_id: str, record_crc: int, directory):
+    def __init__(self, root, item: str, object_id: str, record_crc: int, directory):
         self.id = object_id
         self.directory = directory
         self.path = object_path(root, item, object_id)
         external = is_external(object_id)
-        if not os.path.isdir(self.path):
-            if not os.path.isdir(os.fspath(directory)):
+        if not self.path.is_dir():
+            if not epath.Path(directory).is_dir():
                 raise _missing(directory, f"object {object_id}")
             if external:
                 raise CheckpointCorruptError(
@@ -327,10 +388,9 @@ class _Object:
                 f"{describe(directory)}: needs object {object_id} ({self.path}), which is missing; it was deleted "
                 "outside inshrink_jax. This step cannot be restored; restore another step.")
         try:
-            self.commit, raw = read_json(os.path.join(self.path, COMMIT), f"commit record of object {object_id}",
-                                         directory)
+            self.commit, raw = read_json(self.path / COMMIT, f"commit record of object {object_id}", directory)
         except CheckpointCorruptError:
-            if external and not os.path.exists(os.path.join(self.path, COMMIT)):
+            if external and not (self.path / COMMIT).exists():
                 raise CheckpointCorruptError(
                     f"{describe(directory)}: the base checkpoint object {self.path} it is stored against has no "
                     "commit record: the base was deleted or replaced. Put the base checkpoint back.") from None
@@ -343,38 +403,45 @@ class _Object:
                     "saved there). This step decodes only against the base it was saved with.")
             raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
                                          "match the step's commit record (file replaced or corrupted)")
-        self.entries: dict[tuple, tuple[int, dict]] = {}
+        self.entries: dict[tuple, tuple[int, records.Shard]] = {}
         for p, rec in enumerate(self.commit["processes"]):
-            index, raw = read_json(os.path.join(self.path, index_name(p)), "offset table", directory)
+            _, raw, shards = _index(self.path, p, directory)
             if crc32(raw) != rec["index_crc32"]:
                 raise CheckpointCorruptError(f"{describe(directory)}: offset table of process {p} in object "
                                              f"{object_id} does not match its checksum in the commit record")
-            for entry in index["entries"]:
-                self.entries[(entry["leaf"], box_key(entry["box"]))] = (p, entry)
-        self._blobs: dict[tuple, Any] = {}
+            for entry in shards:
+                self.entries[(entry.leaf, box_key(entry.box))] = (p, entry)
 
-    def _blob(self, p: int, file: str, leaf: str):
-        if (p, file) not in self._blobs:
-            path = os.path.join(self.path, blob_name(p, file))
-            try:
-                size = os.path.getsize(path)
-            except FileNotFoundError:
-                raise _missing(self.directory, f"{path} (read for leaf {leaf})") from None
-            expect = self.commit["processes"][p]["blob_bytes" if file == CODES_FILE else "data_bytes"]
-            if size != expect:
+    def segment(self, leaf: str, p: int, seg: records.Segment, name: str) -> bytes:
+        """The checked bytes of one segment of process p's file."""
+        path = self.path / blob_name(p, seg.file)
+        expect = self.commit["processes"][p]["blob_bytes" if seg.file == CODES_FILE else "data_bytes"]
+        try:
+            size = path.stat().length
+            if size != expect or seg.offset + seg.length > size:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: {path} has {size} bytes, "
                                              f"expected {expect} (truncated?)")
-            self._blobs[(p, file)] = np.memmap(path, np.uint8, "r") if size else b""
-        return self._blobs[(p, file)]
-
-    def segment(self, leaf: str, p: int, seg: dict, name: str) -> bytes:
-        file = seg.get("file", CODES_FILE)  # format version 2 kept every segment in blob.<p>
-        data = bytes(self._blob(p, file, leaf)[seg["offset"]: seg["offset"] + seg["length"]])
-        if len(data) != seg["length"] or crc32(data) != seg["crc32"]:
-            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} in "
-                                         f"{self.path}/{blob_name(p, file)} does not match its checksum "
-                                         "(corrupted file)")
+            with path.open("rb") as f:
+                f.seek(seg.offset)
+                data = f.read(seg.length)
+        except FileNotFoundError:
+            raise _missing(self.directory, f"{path} (read for leaf {leaf})") from None
+        if len(data) != seg.length or crc32(data) != seg.crc32:
+            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} in {path} "
+                                         "does not match its checksum (corrupted file)")
         return data
+
+    def array(self, leaf: str, p: int, seg: records.Segment, name: str, dtype, shape) -> np.ndarray:
+        """The one checked decode path: a segment's bytes (checksum), decompressed to exactly the size of
+        `shape` x `dtype` (nothing larger is allocated), as an array of that shape."""
+        dtype = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        try:
+            raw = codec.decompress(self.segment(leaf, p, seg, name), seg.codec, size, dtype.itemsize)
+        except codec.CodecError as e:
+            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} of object "
+                                         f"{self.id}: {e}") from None
+        return np.frombuffer(raw, dtype).reshape(shape)
 
 
 def box_key(box) -> tuple:
@@ -382,51 +449,63 @@ def box_key(box) -> tuple:
     return tuple(tuple(b) for b in box)
 
 
+def box_of(index: tuple, shape: tuple) -> list[list[int]]:
+    """A device's slice (a tuple of slices) of an array of `shape` as a box [[start, stop], ...]."""
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape)]
+
+
+def box_shape(box) -> list[int]:
+    return [b[1] - b[0] for b in box]
+
+
 class Reader:
-    """Checked access to one step's item: its manifest, its own object's shards, and codes along delta chains."""
+    """Checked access to one step's item: its manifest, its own object's shards, and codes along delta chains.
+
+    Attributes:
+      manifest: the step's `records.Manifest`; leaves: key path -> its `records.Leaf`; shards: key path ->
+      [(process, `records.Shard`)] of the step's own object; codes_cache: the codes decoded so far.
+    """
 
     def __init__(self, directory):
-        self.directory = os.fspath(directory)
+        self.directory = epath.Path(directory)
         self.root, self.item, self.step = locate(self.directory)
-        self.manifest, _ = read_json(os.path.join(self.directory, MANIFEST), "manifest", self.directory)
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointCorruptError(f"{describe(self.directory)}: not an inshrink_jax checkpoint item")
-        if self.manifest.get("version", 0) > FORMAT_VERSION:
-            raise CheckpointCorruptError(
-                f"{describe(self.directory)}: written by format version {self.manifest['version']}, this release "
-                f"reads up to {FORMAT_VERSION}; upgrade inshrink_jax")
-        if self.manifest.get("version") == 5 and self.manifest.get("base"):
-            raise CheckpointCorruptError(
-                f"{describe(self.directory)}: a fine-tune of format version 5 (level-index deltas against a base "
-                "checkpoint, which kept only weights that changed level: the fine-tune was lost); this release "
-                "does not read it. Save the fine-tuned weights again against the base.")
-        self.commit, _ = read_json(os.path.join(self.directory, COMMIT), "commit record", self.directory)
+        self.manifest = read_manifest(self.directory)
+        self.commit, _ = read_json(self.directory / COMMIT, "commit record", self.directory)
+        if not isinstance(self.commit, dict) or not isinstance(self.commit.get("objects"), dict) or \
+                self.commit.get("object") != self.manifest.object:
+            raise CheckpointCorruptError(f"{describe(self.directory)}: the commit record does not name the "
+                                         f"manifest's object {self.manifest.object} (a file of another step?)")
         self.object_id = self.commit["object"]
         self._base: Reader | None = None
         self._objects: dict[str, _Object] = {}
         self.own = self.object(self.object_id)
-        self.leaves = {m["keystr"]: m for m in self.manifest["leaves"]}  # key path -> manifest entry
-        self.shards: dict[str, list[tuple[int, dict]]] = {}
+        self.leaves = {m.keystr: m for m in self.manifest.leaves}
+        self.shards: dict[str, list[tuple[int, records.Shard]]] = {}
         for (leaf, _), (p, entry) in self.own.entries.items():
             self.shards.setdefault(leaf, []).append((p, entry))
-        self.codes_cache: dict[tuple, tuple[np.ndarray, int]] = {}  # (object, leaf, box) -> (codes, depth)
+        self.codes_cache: dict[tuple, tuple[np.ndarray, int]] = {}  # (leaf, box) -> (codes, depth)
 
     def object(self, object_id: str) -> _Object:
         if object_id not in self._objects:
             if object_id not in self.commit["objects"]:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: object {object_id} is used but not "
                                              "listed in the step's commit record")
+            base = self.manifest.base or {}
+            if is_external(object_id) and object_id != base.get("object"):
+                raise CheckpointCorruptError(f"{describe(self.directory)}: object {object_id} is outside the "
+                                             "checkpoint root and is not the manifest's base checkpoint")
             self._objects[object_id] = _Object(self.root, self.item, object_id, self.commit["objects"][object_id],
                                                self.directory)
         return self._objects[object_id]
 
-    def segment(self, leaf: str, p: int, seg: dict, name: str) -> bytes:
-        return self.own.segment(leaf, p, seg, name)
+    def array(self, leaf: str, p: int, seg: records.Segment, name: str, dtype, shape) -> np.ndarray:
+        """A checked, decoded segment of this step's own object (`_Object.array`)."""
+        return self.own.array(leaf, p, seg, name, dtype, shape)
 
     def base(self) -> "Reader | None":
         """The base checkpoint this step's residual leaves are stored against (None if it has none), checked to
         be the one it was saved against: a clear error if it is gone, moved or saved again."""
-        info = self.manifest.get("base")
+        info = self.manifest.base
         if info is None:
             return None
         if self._base is None:
@@ -437,8 +516,7 @@ class Reader:
                 raise CheckpointCorruptError(
                     f"{describe(self.directory)}: is stored against the base checkpoint {info['directory']}, "
                     f"which cannot be read ({e}). Put the base checkpoint back where it was.") from None
-            if os.path.abspath(object_path(reader.root, reader.item, reader.object_id)) != \
-                    os.path.abspath(object_path(self.root, self.item, info["object"])):
+            if str(object_path(reader.root, reader.item, reader.object_id)) != str(epath.Path(info["object"])):
                 raise CheckpointCorruptError(
                     f"{describe(self.directory)}: the base checkpoint {info['directory']} now holds another save "
                     f"than the one this step is stored against (object {info['object']}). Put that one back.")
@@ -452,7 +530,7 @@ class Reader:
         key = (leaf, box_key(box))
         if key in self.codes_cache:
             return self.codes_cache[key]
-        shape = [b[1] - b[0] for b in box]
+        shape = box_shape(box)
         chain, object_id = [], self.object_id
         while True:  # back to the keyframe
             obj = self.object(object_id)
@@ -460,18 +538,16 @@ class Reader:
             if found is None:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: object {object_id} has no "
                                              f"shard {box} (a delta chain is broken)")
-            seg = found[1]["segments"]["codes"]
+            seg = found[1].segments["codes"]
             chain.append((obj, found[0], seg))
-            if "base" not in seg:
+            if seg.base is None:
                 break
-            object_id = seg["base"]
+            if len(chain) > len(self.commit["objects"]):
+                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: the delta chain loops")
+            object_id = seg.base
         codes = None
         for obj, p, seg in reversed(chain):
-            stream = np.frombuffer(codec.decompress(obj.segment(leaf, p, seg, "codes"), seg["codec"]), np.uint8)
-            if stream.size != int(np.prod(shape)):
-                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: codes of shard {box} in "
-                                             f"object {obj.id} hold {stream.size} values, expected "
-                                             f"{int(np.prod(shape))}")
-            codes = stream.reshape(shape) if codes is None else delta.decode(codes, stream, seg["modulus"])
+            stream = obj.array(leaf, p, seg, "codes", np.uint8, shape)
+            codes = stream if codes is None else delta.decode(codes, stream.reshape(-1), seg.modulus)
         self.codes_cache[key] = (codes, len(chain) - 1)
         return self.codes_cache[key]

@@ -12,6 +12,7 @@ import jax  # noqa: E402
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
 
 import numpy as np  # noqa: E402
+import optax
 import orbax.checkpoint as ocp  # noqa: E402
 
 import inshrink_jax as ij  # noqa: E402
@@ -20,10 +21,10 @@ P = jax.sharding.PartitionSpec
 devs = np.array(jax.devices())
 rng = np.random.default_rng(0)  # same values on both processes
 host = {"params": {"w": rng.normal(size=(64, 48)).astype(np.float32)},
-        "opt": {"mu": rng.normal(size=(64, 48)).astype(np.float32)}}
+        "opt": optax.TraceState(trace=rng.normal(size=(64, 48)).astype(np.float32))}
 save_sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devs.reshape(4), ("x",)), P("x", None))
 state = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, save_sharding, lambda i, x=x: x[i]), host)
-# Optimizer state lossless: "mu" marks bit-exactly which step and which shards came back.
+# Optimizer state lossless: its "trace" marks bit-exactly which step and which shards came back.
 handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(optimizer="lossless"))
 mngr = ocp.CheckpointManager(root, item_handlers=handler)
 mngr.save(0, args=ij.InshrinkSave(state))
@@ -40,14 +41,14 @@ written = sorted(f for f in os.listdir(reader.own.path) if f.startswith("blob.")
 restore_sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(devs.reshape(2, 2), ("a", "b")), P("b", "a"))
 target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=restore_sharding), host)
 r = mngr.restore(0, args=ij.InshrinkRestore(target))
-for s in r["opt"]["mu"].addressable_shards:
-    np.testing.assert_array_equal(np.asarray(s.data), host["opt"]["mu"][s.index])
+for s in r["opt"].trace.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), host["opt"].trace[s.index])
 for s in r["params"]["w"].addressable_shards:
     assert np.max(np.abs(np.asarray(s.data) - host["params"]["w"][s.index])) < 0.5
 per_process = {p: sum(1 for v in reader.shards.values() for q, _ in v if q == p) for p in (0, 1)}
 r1 = mngr.restore(1, args=ij.InshrinkRestore(target))
-for s in r1["opt"]["mu"].addressable_shards:
-    np.testing.assert_array_equal(np.asarray(s.data), host1["opt"]["mu"][s.index])
+for s in r1["opt"].trace.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(s.data), host1["opt"].trace[s.index])
 for s in r1["params"]["w"].addressable_shards:
     assert np.max(np.abs(np.asarray(s.data) - host1["params"]["w"][s.index])) < 0.5
 print(f"OK process {process_id} blobs={written} shards_per_process={per_process}", flush=True)

@@ -90,8 +90,8 @@ def test_a_huge_single_leaf_round_trips(tmp_path):
     r, mngr = save_restore(tmp_path, {"params": {"w": jnp.asarray(w)}}, quant=ij.QuantConfig(bins=16))
     out = np.asarray(r["params"]["w"])
     assert out.shape == w.shape
-    meta = ij.store.Reader(tmp_path / "0" / "default").manifest["leaves"][0]
-    on_grid = np.isin(out, np.asarray(meta["centres"], np.float32))
+    meta = ij.store.Reader(tmp_path / "0" / "default").manifest.leaves[0]
+    on_grid = np.isin(out, np.asarray(meta.centres, np.float32))
     near = np.abs(out - w) <= 2.0**-8 * np.abs(w)  # protected: bfloat16 of the weight
     assert np.all(on_grid | near)  # every weight is on one of the 16 centres or its protected value
     assert near.mean() >= 0.005  # the protected 0.5% (the largest weights) come back near-exact
@@ -99,9 +99,9 @@ def test_a_huge_single_leaf_round_trips(tmp_path):
 
 
 def test_a_shard_too_large_to_address_is_refused_before_writing(tmp_path, monkeypatch):
-    from inshrink_jax import handler
+    from inshrink_jax import save
 
-    monkeypatch.setattr(handler, "MAX_SHARD_ELEMENTS", 4095)
+    monkeypatch.setattr(save, "MAX_SHARD_ELEMENTS", 4095)
     mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler())
     with pytest.raises(ValueError, match=r"leaf \['params'\]\['w'\]: a shard of 4,096 elements"):
         mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 64))}}))

@@ -8,6 +8,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -38,7 +39,7 @@ def fine_tuned(start, step, classes=100, seed=1):
          "head": {"kernel": jnp.asarray(rng.normal(size=(64, classes)).astype(np.float32) * 0.05),
                   "bias": jnp.zeros(classes)}}
     # Under another key path than the base's ['params']: leaves are matched by the tail of their paths.
-    return {"step": jnp.int32(step), "model": {"params": p}, "opt_state": {"mu": jax.tree.map(lambda x: x * 0.1, p)}}
+    return {"step": jnp.int32(step), "model": {"params": p}, "opt_state": optax.TraceState(trace=jax.tree.map(lambda x: x * 0.1, p))}
 
 
 def save_base(root, variables=None):
@@ -107,7 +108,7 @@ def test_fine_tune_residual_round_trip_keeps_the_fine_tune(tmp_path):
     assert_keeps_the_fine_tune(with_base, state, start, alone=restore(str(tmp_path / "alone"), 0, state))
     # conv and dense are residuals against the base's weights; the 20-class head has no base weight of its shape.
     reader = store.Reader(str(tmp_path / "ft" / "0" / "default"))
-    residual = {m["keystr"]: m.get("base_leaf") for m in reader.manifest["leaves"] if m["kind"] == "quantized"}
+    residual = {m.keystr: m.base_leaf for m in reader.manifest.leaves if m.kind == "quantized"}
     assert residual == {"['model']['params']['conv']['kernel']": "['params']['conv']['kernel']",
                         "['model']['params']['dense']['kernel']": "['params']['dense']['kernel']",
                         "['model']['params']['head']['kernel']": None}
@@ -115,10 +116,10 @@ def test_fine_tune_residual_round_trip_keeps_the_fine_tune(tmp_path):
     leaves_equal(restore(str(tmp_path / "ft"), 0)["model"], with_base["model"])
     commit, _ = store.read_json(str(tmp_path / "ft" / "0" / "default" / store.COMMIT), "commit", "")
     assert commit["objects"][str(tmp_path / "base" / store.OBJECTS / "default" / "0.0")] == \
-        reader.manifest["base"]["commit_crc32"]
+        reader.manifest.base["commit_crc32"]
     assert figures["kind"] == "keyframe" and figures["chain_depth"] == 0
     assert figures["stored_bytes"]["params"] < h2.last_figures["stored_bytes"]["params"]
-    assert reader.manifest["base"]["directory"] == os.path.join(base_dir, "default")
+    assert reader.manifest.base["directory"] == os.path.join(base_dir, "default")
     m.close(), m2.close()
 
 

@@ -15,14 +15,14 @@ def test_uint8_streams_round_trip(n, density, seed, which):
     a = np.where(rng.random(n) < density, rng.integers(1, 256, n), 0).astype(np.uint8)
     blob, used = codec.compress_best(a, which, codec.CODE_LEVEL)
     assert used in (which, codec.RAW)
-    np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, used), np.uint8), a)
+    np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, used, a.size), np.uint8), a)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.uint32])
 def test_byte_planes_round_trip(dtype):
     a = (np.random.default_rng(0).normal(size=1001) * 100).astype(dtype)
     blob, used = codec.compress_best(a, codec.ZSTD_PLANES)
-    out = np.frombuffer(codec.decompress(blob, used, a.dtype.itemsize), dtype)
+    out = np.frombuffer(codec.decompress(blob, used, a.nbytes, a.dtype.itemsize), dtype)
     np.testing.assert_array_equal(out, a)
 
 
@@ -34,7 +34,7 @@ def test_lossless_data_takes_the_smaller_of_planes_and_plain_zstd():
         blob, used = codec.compress_best(a, codec.LOSSLESS_CODECS)
         assert used == best
         assert len(blob) == min(len(codec.compress(a, c)) for c in (codec.ZSTD, codec.ZSTD_PLANES))
-        np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, used, 4), np.float32), a)
+        np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, used, a.nbytes, 4), np.float32), a)
 
 
 def test_run_lengths_beat_plain_zstd_near_the_order0_bound():
@@ -47,5 +47,16 @@ def test_run_lengths_beat_plain_zstd_near_the_order0_bound():
 
 
 def test_unknown_codec_is_refused():
-    with pytest.raises(ValueError, match="unknown codec 'lz4'"):
-        codec.decompress(b"", "lz4")
+    with pytest.raises(codec.CodecError, match="unknown codec 'lz4'"):
+        codec.decompress(b"", "lz4", 0)
+
+
+@pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_PLANES])
+def test_a_stream_of_another_size_is_refused_before_allocating(which):
+    a = np.zeros(4096, np.uint8)
+    a[::5] = 7
+    blob = codec.compress(a, which)
+    assert codec.decompress(blob, which, a.size) == a.tobytes()
+    for size in (a.size - 1, a.size + 1, 2**40):
+        with pytest.raises(codec.CodecError):
+            codec.decompress(blob, which, size)

@@ -8,6 +8,7 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint import checkpoint_managers as cm
@@ -41,7 +42,7 @@ def test_rearranged_stream_is_grouped_by_previous_code():
 # ----------------------------------------------------------------------------------------------- helpers
 def make_manager(root, keyframe_every=10, **opts):
     # A fixed configuration: these tests are about chains (test_search.py saves chains with the search on);
-    # the optimizer state is lossless so that "mu" tells bit-exactly which step came back.
+    # the optimizer state is lossless so that its "trace" tells bit-exactly which step came back.
     h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=keyframe_every, search=False,
                                                           optimizer="lossless"))
     return ocp.CheckpointManager(root, item_handlers=h, options=ocp.CheckpointManagerOptions(**opts))
@@ -55,7 +56,7 @@ def train_like(seed, steps):
     for i in range(steps):
         yield {"params": {"dense": {"kernel": jnp.asarray(w)}, "conv": {"kernel": jnp.asarray(c)},
                           "bias": jnp.asarray(w[0])},
-               "opt_state": {"mu": jnp.asarray(w * 0.1)}, "step": jnp.int32(i)}
+               "opt_state": optax.TraceState(trace=jnp.asarray(w * 0.1)), "step": jnp.int32(i)}
         w = w + rng.normal(size=w.shape).astype(np.float32) * 2e-3
         c = c + rng.normal(size=c.shape).astype(np.float32) * 2e-3
 
@@ -102,7 +103,7 @@ def test_restart_starts_a_keyframe_and_restore_continues_the_chain(tmp_path):
     assert figures(mngr, 2)["kind"] == "keyframe"
     # another new process that resumes from step 1 first: it holds step 1's codes and continues that chain.
     mngr = make_manager(tmp_path)
-    r1 = mngr.restore(1)
+    r1 = mngr.restore(1, args=ij.InshrinkRestore(states[1]))  # the target keeps the optax state's type
     # The resumed weights sit on step 1's grid: saving them again is an almost empty delta.
     mngr.save(3, args=ij.InshrinkSave(r1 | {"step": jnp.int32(3)}))
     mngr.wait_until_finished()
@@ -112,7 +113,7 @@ def test_restart_starts_a_keyframe_and_restore_continues_the_chain(tmp_path):
     mngr.save(4, args=ij.InshrinkSave(states[3]))
     mngr.wait_until_finished()
     assert (figures(mngr, 4)["kind"], figures(mngr, 4)["chain_depth"]) == ("delta", 3)
-    assert_same(make_manager(tmp_path).restore(1), r1)
+    assert_same(make_manager(tmp_path).restore(1, args=ij.InshrinkRestore(states[1])), r1)
 
 
 @pytest.mark.parametrize("where", ["commit", "finalize"])
@@ -138,12 +139,12 @@ def test_failed_save_leaves_the_chain_on_the_last_committed_save(tmp_path, monke
     # never a delta on the failed save's codes: a delta on step 0's (depth 1)
     f2 = figures(mngr, 2)
     assert (f2["kind"], f2["chain_depth"]) == ("delta", 1)
-    base = {s["base"] for e in store.Reader(tmp_path / "2" / "default").own.entries.values()
-            for s in e[1]["segments"].values() if "base" in s}
+    base = {s.base for _, e in store.Reader(tmp_path / "2" / "default").own.entries.values()
+            for s in e.segments.values() if s.base is not None}
     assert base == {store.Reader(tmp_path / "0" / "default").object_id}
     assert_same(make_manager(tmp_path).restore(0), r0)
     fresh = make_manager(tmp_path).restore(2)
-    np.testing.assert_array_equal(np.asarray(fresh["opt_state"]["mu"]), np.asarray(states[2]["opt_state"]["mu"]))
+    np.testing.assert_array_equal(np.asarray(fresh["opt_state"]["trace"]), np.asarray(states[2]["opt_state"].trace))
 
 
 def test_missing_base_is_a_clear_error(tmp_path):
@@ -172,8 +173,8 @@ def test_step_saved_again_after_delete_gets_a_new_object(tmp_path):
     assert store.Reader(tmp_path / "1" / "default").object_id == "1.1"
     assert sorted(os.listdir(tmp_path / store.OBJECTS / "default")) == ["0.0", "1.1"]  # 1.0 and 2.0 collected
     assert_same(make_manager(tmp_path).restore(0), r0)
-    np.testing.assert_array_equal(np.asarray(make_manager(tmp_path).restore(1)["opt_state"]["mu"]),
-                                  np.asarray(states[3]["opt_state"]["mu"]))
+    np.testing.assert_array_equal(np.asarray(make_manager(tmp_path).restore(1)["opt_state"]["trace"]),
+                                  np.asarray(states[3]["opt_state"].trace))
 
 
 def test_objects_of_deleted_steps_are_collected(tmp_path):
@@ -204,7 +205,7 @@ def test_a_base_whose_step_is_gone_keeps_only_its_code_streams(tmp_path):
     for o, names in files.items():  # step 4 is dropped after step 5 commits: its data goes at the next save
         assert "blob.0" in names and (("data.0" in names) == (o in ("4.0", "5.0"))), (o, names)
     restored = mngr.restore(5)
-    np.testing.assert_array_equal(np.asarray(restored["opt_state"]["mu"]), np.asarray(states[-1]["opt_state"]["mu"]))
+    np.testing.assert_array_equal(np.asarray(restored["opt_state"]["trace"]), np.asarray(states[-1]["opt_state"].trace))
     # The lossless leaves of the dropped steps are gone: the chain keeps code streams only.
     data_bytes = os.path.getsize(objects / "5.0" / "data.0")
     chain_bytes = sum(os.path.getsize(objects / o / "blob.0") for o in files if o != "5.0")

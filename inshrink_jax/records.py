@@ -1,0 +1,273 @@
+"""Typed records of the on-disk format (docs/format.md): manifest entries, shard entries, per-save figures.
+
+Each record is built once, complete, by the code that knows its values, and written with `to_json`; a reader
+gets it back with `from_json`, which checks the fields it relies on and raises `RecordError` (the store turns it
+into a `CheckpointCorruptError` naming the file). Fields added by later format versions have defaults, so older
+checkpoints read as records too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, TypedDict
+
+import jax
+
+LeafKind = Literal["scalar", "array", "prng_key", "dropped", "quantized"]
+LEAF_KINDS = ("scalar", "array", "prng_key", "dropped", "quantized")
+Part = Literal["params", "optimizer", "other"]
+PARTS = ("params", "optimizer", "other")
+CODES_FILE, DATA_FILE = "blob", "data"
+
+
+class RecordError(ValueError):
+    """A record read from a checkpoint file lacks a field or has one of the wrong type."""
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise RecordError(what)
+
+
+def _drop_none(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """The manifest entry of one leaf.
+
+    Attributes:
+      path: the key path as JSON, [["d", key] | ["a", name] | ["s", index], ...].
+      keystr: `jax.tree_util.keystr` of the path: how leaves are matched.
+      kind: "scalar" (a Python scalar, string or None, stored in `value`), "array" (lossless), "prng_key" (its key
+        data, lossless), "dropped" (not stored, restored as zeros) or "quantized".
+      shape, dtype, part, sharding: of array-like leaves (`sharding` as saved, for information).
+      value, type: of scalars.
+      impl, data_shape: of PRNG keys (the key implementation's name, the key data's shape).
+      method: of quantized leaves: "weights" (quantize.py) or "moments" (moments.py).
+      layer_type: of quantized weights.
+      bins, centres: of quantized leaves: the number of levels (or value-table entries) and their values.
+      base_leaf: of weights stored as residuals against a base checkpoint: the base's leaf.
+    """
+
+    path: list
+    keystr: str
+    kind: LeafKind
+    shape: list | None = None
+    dtype: str | None = None
+    part: Part = "other"
+    sharding: str | None = None
+    value: Any = None
+    type: str | None = None
+    impl: str | None = None
+    data_shape: list | None = None
+    method: str | None = None
+    layer_type: str | None = None
+    bins: int | None = None
+    centres: list | None = None
+    base_leaf: str | None = None
+
+    def to_json(self) -> dict:
+        d = _drop_none(dataclasses.asdict(self))
+        if self.kind == "scalar":
+            d["value"] = self.value
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Leaf":
+        _check(isinstance(d, dict) and d.get("kind") in LEAF_KINDS, f"a leaf entry has no valid kind: {str(d)[:80]}")
+        _check(isinstance(d.get("keystr"), str) and isinstance(d.get("path"), list), "a leaf entry has no key path")
+        known = {f.name for f in dataclasses.fields(cls)}
+        leaf = cls(**{k: v for k, v in d.items() if k in known})
+        if leaf.kind != "scalar":
+            _check(isinstance(leaf.shape, list) and all(isinstance(n, int) and n >= 0 for n in leaf.shape),
+                   f"leaf {leaf.keystr}: invalid shape {leaf.shape!r}")
+            _check(isinstance(leaf.dtype, str), f"leaf {leaf.keystr}: no dtype")
+        if leaf.kind == "quantized":
+            _check(isinstance(leaf.bins, int) and isinstance(leaf.centres, list) and len(leaf.centres) == leaf.bins,
+                   f"leaf {leaf.keystr}: invalid bins / centres")
+        return leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A step item's manifest: the tree, how each leaf is stored, and the object holding its data."""
+
+    format: str
+    version: int
+    process_count: int
+    object: str
+    leaves: list[Leaf]
+    config: dict = dataclasses.field(default_factory=dict)
+    quant: dict | None = None
+    raw_bytes: dict = dataclasses.field(default_factory=lambda: {p: 0 for p in PARTS})
+    search: dict = dataclasses.field(default_factory=dict)
+    base: dict | None = None
+    sensitivity: str = ""
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["leaves"] = [leaf.to_json() for leaf in self.leaves]
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Manifest":
+        _check(isinstance(d, dict), "the manifest is not an object")
+        for name, kind in (("format", str), ("version", int), ("process_count", int), ("object", str),
+                           ("leaves", list)):
+            _check(isinstance(d.get(name), kind), f"the manifest has no valid {name!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in d.items() if k in known and (v is not None or k in ("quant", "base"))}
+        fields["leaves"] = [Leaf.from_json(m) for m in d["leaves"]]
+        return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One stored byte range of a shard: where it is, its checksum, its codec, and what decoding it needs.
+
+    Attributes:
+      file: CODES_FILE (code streams: later deltas read them) or DATA_FILE (everything else).
+      offset, length, crc32: the byte range in `<file>.<process>` and its CRC32.
+      codec: codec id (codec.py).
+      base, modulus: of a delta's code stream: the object it is a delta against, and the modulus of the delta.
+      dtype, count: of protected values: their storage dtype and number.
+    """
+
+    file: str
+    offset: int
+    length: int
+    crc32: int
+    codec: str
+    base: str | None = None
+    modulus: int | None = None
+    dtype: str | None = None
+    count: int | None = None
+
+    def to_json(self) -> dict:
+        return _drop_none(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Segment":
+        _check(isinstance(d, dict), "a segment entry is not an object")
+        d = {"file": CODES_FILE, **d}  # format version 2 kept every segment in the code-stream file
+        for name in ("offset", "length", "crc32"):
+            _check(isinstance(d.get(name), int) and d[name] >= 0, f"a segment has no valid {name!r}")
+        _check(d["file"] in (CODES_FILE, DATA_FILE) and isinstance(d.get("codec"), str), "a segment's file or codec")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """The offset-table entry of one stored shard of one leaf: its box and its segments by name."""
+
+    leaf: str
+    box: list
+    segments: dict[str, Segment]
+
+    def to_json(self) -> dict:
+        return {"leaf": self.leaf, "box": self.box, "segments": {k: s.to_json() for k, s in self.segments.items()}}
+
+    @classmethod
+    def from_json(cls, d: Any) -> "Shard":
+        _check(isinstance(d, dict) and isinstance(d.get("leaf"), str), "a shard entry has no leaf")
+        box = d.get("box")
+        _check(isinstance(box, list) and all(_is_range(b) for b in box), f"shard of {d['leaf']}: invalid box")
+        _check(isinstance(d.get("segments"), dict), f"shard of {d['leaf']}: no segments")
+        return cls(d["leaf"], box, {k: Segment.from_json(s) for k, s in d["segments"].items()})
+
+
+def _is_range(b) -> bool:
+    return isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b) and 0 <= b[0] <= b[1]
+
+
+class ProcessFigures(TypedDict):
+    """What one process measured of its part of a save (in its offset table)."""
+
+    stored_bytes: dict[str, int]
+    blocking_seconds: float
+    total_seconds: float
+    keyframe_shards: int
+    delta_shards: int
+    max_depth: int
+
+
+class Figures(TypedDict):
+    """One save's figures (`InshrinkCheckpointHandler.metadata`, `inshrink-jax inspect --json`)."""
+
+    raw_bytes: dict[str, int]
+    stored_bytes: dict[str, int]
+    ratio: dict[str, float | None]
+    quant: dict | None
+    kind: Literal["keyframe", "delta", "mixed"]
+    chain_depth: int
+    object: str
+    sensitivity: str
+    search: dict
+    blocking_seconds: float
+    total_seconds: float
+
+
+def figures(manifest: Manifest, processes: list[ProcessFigures]) -> Figures:
+    """Per-save figures from the manifest and every process's figures: raw and stored bytes per part, ratios,
+    keyframe or delta and chain depth, timings, the configuration used."""
+    stored = {p: 0 for p in PARTS}
+    for f in processes:
+        for k, v in f["stored_bytes"].items():
+            stored[k] += v
+    raw = manifest.raw_bytes
+    ratio: dict[str, float | None] = {k: (raw[k] / stored[k] if stored[k] else None) for k in raw}
+    ratio["total"] = sum(raw.values()) / max(sum(stored.values()), 1)
+    n_key, n_delta = sum(f["keyframe_shards"] for f in processes), sum(f["delta_shards"] for f in processes)
+    kind = "delta" if n_delta and not n_key else "keyframe" if not n_delta else "mixed"
+    return Figures(raw_bytes=raw, stored_bytes=stored, ratio=ratio, quant=manifest.quant, kind=kind,
+                   chain_depth=max(f["max_depth"] for f in processes), object=manifest.object,
+                   sensitivity=manifest.sensitivity, search=manifest.search,
+                   blocking_seconds=max(f["blocking_seconds"] for f in processes),
+                   total_seconds=max(f["total_seconds"] for f in processes))
+
+
+def path_entries(path) -> list:
+    """A key path as JSON (`Leaf.path`): [["d", key], ["a", name], ["s", index], ...]."""
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            key = k.key
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise TypeError(f"leaf {jax.tree_util.keystr(tuple(path))}: dict key {key!r} of type "
+                                f"{type(key).__name__} cannot be stored; use str or int keys")
+            out.append(["d", key])
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            out.append(["a", k.name])
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(["s", k.idx])
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            out.append(["s", k.key])
+        else:
+            out.append(["a", str(k)])
+    return out
+
+
+def unflatten_plain(entries: list[list], values: list) -> Any:
+    """Nested dicts (dict keys and attribute names) and lists (sequence indices) from leaf paths."""
+    if not entries:
+        return None
+    if entries[0] == []:
+        return values[0]
+    root: dict = {}
+    for path, v in zip(entries, values):
+        node = root
+        for kind, key in path[:-1]:
+            node = node.setdefault((kind == "s", key), {})
+        node[(path[-1][0] == "s", path[-1][1])] = v
+
+    def build(node):
+        if not isinstance(node, dict) or not node or not all(isinstance(k, tuple) for k in node):
+            return node
+        if all(is_seq for is_seq, _ in node):
+            return [build(node[k]) for k in sorted(node, key=lambda k: k[1])]
+        return {key: build(v) for (_, key), v in node.items()}
+
+    return build(root)

@@ -1,0 +1,238 @@
+"""Restore: manifest -> checked decode (store.py) -> undo delta chains -> dequantize -> arrays placed in the target
+shardings (DESIGN.md section 2, run backwards).
+
+One function per leaf kind. A target leaf with a sharding gets its values built per addressable device from only
+the stored shards that overlap that device's slice (`jax.make_array_from_single_device_arrays`), so a restore
+into another layout than the one saved reads what it needs and nothing is gathered on one host.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inshrink_jax import quantize, records, store
+
+
+def restore(reader: store.Reader, target: Any, threads: int) -> Any:
+    """The step item read by `reader`, restored into `target` (None: the saved tree as nested dicts and lists,
+    arrays on the default device; else a tree of the saved structure whose leaves are arrays,
+    `jax.ShapeDtypeStruct`s (with `sharding=` to restore into that layout), NumPy arrays or scalars)."""
+    if target is None:
+        pairs = [(m, None) for m in reader.manifest.leaves]
+        decode_codes(reader, pairs, threads)
+        return records.unflatten_plain([m.path for m in reader.manifest.leaves],
+                                       [restore_leaf(reader, m, None) for m, _ in pairs])
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
+    pairs = match_target(reader, flat)
+    decode_codes(reader, pairs, threads)
+    return jax.tree_util.tree_unflatten(treedef, [restore_leaf(reader, m, t) for m, t in pairs])
+
+
+def match_target(reader: store.Reader, flat: list) -> list[tuple[records.Leaf, Any]]:
+    """(saved leaf, target leaf) pairs of a flattened target; a target that does not fit the saved tree is a
+    ValueError naming the leaves and saying what to pass."""
+    want = [jax.tree_util.keystr(p) for p, _ in flat]
+    missing = [k for k in want if k not in reader.leaves]
+    extra = sorted(set(reader.leaves) - set(want))
+    if missing or extra:
+        raise ValueError(f"{store.describe(reader.directory)}: the restore target does not match the saved tree. "
+                         f"In the target but not saved: {missing[:20]}; saved but not in the target: "
+                         f"{extra[:20]}. Pass a target with the saved structure, or InshrinkRestore() to get "
+                         "the saved tree as nested dicts.")
+    problems = []
+    for k, (_, t) in zip(want, flat):
+        m = reader.leaves[k]
+        if m.shape is not None and hasattr(t, "shape") and tuple(t.shape) != tuple(m.shape):
+            problems.append(f"{k}: saved shape {tuple(m.shape)}, target {tuple(t.shape)}")
+        elif m.kind in ("array", "quantized", "dropped") and hasattr(t, "dtype") and \
+                jnp.dtype(t.dtype) != jnp.dtype(m.dtype):
+            problems.append(f"{k}: saved dtype {m.dtype}, target {jnp.dtype(t.dtype).name}")
+        elif m.shape is not None and m.kind != "prng_key":
+            try:
+                target_sharding(t).addressable_devices_indices_map(tuple(m.shape))
+            except ValueError as e:
+                problems.append(f"{k}: the target sharding does not fit shape {tuple(m.shape)} ({e})")
+    if problems:
+        raise ValueError(f"{store.describe(reader.directory)}: the restore target does not match the saved "
+                         f"leaves: " + "; ".join(problems[:20]))
+    return [(reader.leaves[k], t) for k, (_, t) in zip(want, flat)]
+
+
+def overlap(a: list[list[int]], b: list[list[int]]):
+    """(lower, upper) corners of the intersection of two boxes, or None if they do not intersect."""
+    lo = [max(x[0], y[0]) for x, y in zip(a, b)]
+    hi = [min(x[1], y[1]) for x, y in zip(a, b)]
+    return None if any(h <= l for l, h in zip(lo, hi)) else (lo, hi)
+
+
+def target_sharding(target) -> jax.sharding.Sharding:
+    """Where a restored leaf goes: the target's sharding, else (None, NumPy, no sharding) the default device."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None or isinstance(target, (np.ndarray, np.generic)):
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return sharding
+
+
+def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
+    """Decode, in parallel threads, the codes of every stored shard this process's part of the restore
+    overlaps (NumPy and zstandard release the GIL): delta chains make this the bulk of a restore."""
+    needed = []
+    for meta, target in pairs:
+        if meta.kind != "quantized":
+            continue
+        shape = tuple(meta.shape)
+        boxes = [store.box_of(i, shape) for i in target_sharding(target).addressable_devices_indices_map(shape).values()]
+        for _, e in reader.shards.get(meta.keystr, []):
+            if any(overlap(b, e.box) is not None for b in boxes):
+                needed.append((meta.keystr, e.box))
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda k: reader.codes(*k), needed))
+
+
+def _fill(out: np.ndarray, box, pieces, what: str) -> np.ndarray:
+    """Copy each (stored box, host array thunk) piece's overlap with `box` into `out`; all of `box` must be
+    covered."""
+    covered = 0
+    for sbox, data in pieces:
+        ov = overlap(box, sbox)
+        if ov is None:
+            continue
+        lo, hi = ov
+        dst = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, box))
+        src = tuple(slice(l - s[0], h - s[0]) for l, h, s in zip(lo, hi, sbox))
+        out[dst] = data()[src]
+        covered += int(np.prod([h - l for l, h in zip(lo, hi)]))
+    if covered != out.size:
+        raise store.CheckpointCorruptError(f"{what}: stored shards cover {covered} of {out.size} elements")
+    return out
+
+
+def _make_array(shape, sharding, build: Callable, what: str) -> jax.Array:
+    """Assemble a global array from the pieces `build(box, device)` makes on each addressable device."""
+    arrays = [build(store.box_of(index, shape), d) for d, index in sharding.addressable_devices_indices_map(shape).items()]
+    try:
+        return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    except ValueError as e:
+        raise ValueError(f"{what}: cannot place the restored values into the target sharding ({e})") from None
+
+
+def _is_numpy(meta: records.Leaf, target) -> bool:
+    return isinstance(target, (np.ndarray, np.generic)) or (target is None and meta.sharding == "numpy")
+
+
+def restore_leaf(reader: store.Reader, meta: records.Leaf, target):
+    """One leaf's restored value, by its kind."""
+    what = f"{store.describe(reader.directory)}: leaf {meta.keystr}"
+    if meta.kind == "scalar":
+        return meta.value
+    return _RESTORERS[meta.kind](reader, meta, target, what)
+
+
+def _dropped(reader, meta: records.Leaf, target, what: str):
+    """Not stored (CompressionConfig.optimizer = "drop"): re-initialised as zeros."""
+    dtype, shape = jnp.dtype(meta.dtype), tuple(meta.shape)
+    if _is_numpy(meta, target):
+        return np.zeros(shape, dtype)
+    return _make_array(shape, target_sharding(target), lambda box, dev: jax.device_put(
+        np.zeros(store.box_shape(box), dtype), dev), what)
+
+
+def _host_box(reader: store.Reader, meta: records.Leaf, box, what: str) -> np.ndarray:
+    """The lossless values of `box` of a leaf, from the stored shards that overlap it."""
+    dtype = np.dtype(jnp.dtype(meta.dtype))
+    pieces = [(e.box, (lambda p=p, e=e: reader.array(meta.keystr, p, e.segments["data"], "data", dtype,
+                                                     store.box_shape(e.box))))
+              for p, e in reader.shards.get(meta.keystr, [])]
+    return _fill(np.empty(store.box_shape(box), dtype), box, pieces, what)
+
+
+def _array(reader, meta: records.Leaf, target, what: str):
+    """A lossless leaf, bit-exact."""
+    shape = tuple(meta.shape)
+    if _is_numpy(meta, target):
+        return _host_box(reader, meta, [[0, n] for n in shape], what)
+    return _make_array(shape, target_sharding(target),
+                       lambda box, dev: jax.device_put(_host_box(reader, meta, box, what), dev), what)
+
+
+def _prng_key(reader, meta: records.Leaf, target, what: str):
+    """A PRNG key, stored as its key data (shape + (key words,)), placed in the target's sharding."""
+    data = _host_box(reader, meta, [[0, n] for n in meta.data_shape], what)
+    key = jax.random.wrap_key_data(jnp.asarray(data), impl=meta.impl)
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        return key
+    try:
+        return jax.device_put(key, sharding)
+    except ValueError as e:
+        raise ValueError(f"{what}: cannot place the restored key into the target sharding ({e})") from None
+
+
+def _quantized(reader, meta: records.Leaf, target, what: str):
+    """A quantized leaf: codes along its delta chain, protected values, centres (plus the base's values for a
+    residual), decoded per device."""
+    shape, shards = tuple(meta.shape), reader.shards.get(meta.keystr, [])
+    centres = np.asarray(meta.centres, np.float32)
+    positions: dict[int, np.ndarray] = {}
+
+    def protected(p, e):  # positions and values of a stored shard's protected weights, read once
+        if id(e) not in positions:
+            seg = e.segments["protected"]
+            codes = reader.codes(meta.keystr, e.box)[0]
+            local = quantize.protected_positions(codes, meta.bins)
+            vals = reader.array(meta.keystr, p, seg, "protected", jnp.dtype(seg.dtype), [seg.count or 0])
+            if local.size != vals.size:
+                raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
+            positions[id(e)] = (local, vals)
+        return positions[id(e)]
+
+    def encoded(box):
+        pieces = [(e.box, (lambda e=e: reader.codes(meta.keystr, e.box)[0])) for _, e in shards]
+        codes = _fill(np.empty(store.box_shape(box), np.uint8), box, pieces, what)
+        pos_parts, val_parts = [], []
+        for p, e in shards:
+            ov = overlap(box, e.box)
+            if ov is None:
+                continue
+            local, vals = protected(p, e)
+            glob = [ix + b[0] for ix, b in zip(np.unravel_index(local, store.box_shape(e.box)), e.box)]
+            inside = np.ones(local.size, bool)
+            for g, (lo, hi) in zip(glob, zip(*ov)):
+                inside &= (g >= lo) & (g < hi)
+            pos_parts.append(np.ravel_multi_index(tuple(g[inside] - b[0] for g, b in zip(glob, box)), codes.shape))
+            val_parts.append(vals[inside])
+        order = np.argsort(np.concatenate(pos_parts), kind="stable") if pos_parts else np.zeros(0, np.int64)
+        values = np.concatenate(val_parts)[order] if val_parts else np.zeros(0, np.float32)
+        return quantize.EncodedTensor(codes, centres, values, meta.dtype)
+
+    sharding = target_sharding(target)
+    offsets = _base_offsets(reader, meta, sharding, what) if meta.base_leaf is not None else None
+    if _is_numpy(meta, target):
+        full = [[0, n] for n in shape]
+        return np.asarray(quantize.decode(encoded(full), None, None if offsets is None else offsets[None]))
+    return _make_array(shape, sharding, lambda box, dev: quantize.decode(
+        encoded(box), dev, None if offsets is None else offsets[dev]), what)
+
+
+def _base_offsets(reader: store.Reader, meta: records.Leaf, sharding, what: str) -> dict:
+    """The base checkpoint's values of a residual leaf, restored with `sharding`: device -> its shard (None ->
+    the shard on the default device, for a NumPy target)."""
+    base = reader.base()
+    base_meta = base.leaves.get(meta.base_leaf)
+    if base_meta is None or base_meta.shape != meta.shape:
+        raise store.CheckpointCorruptError(
+            f"{what}: stored against the base checkpoint's leaf {meta.base_leaf}, which the base "
+            f"{base.directory} does not hold with shape {tuple(meta.shape)}")
+    values = restore_leaf(base, base_meta, jax.ShapeDtypeStruct(tuple(meta.shape), base_meta.dtype,
+                                                                sharding=sharding))
+    out = {s.device: s.data for s in values.addressable_shards}
+    out[None] = out.get(jax.devices()[0])
+    return out
+
+
+_RESTORERS = {"dropped": _dropped, "array": _array, "prng_key": _prng_key, "quantized": _quantized}

@@ -1,0 +1,352 @@
+"""The save pipeline: plan -> configure and encode on the device -> (background) device-to-host, delta, entropy
+coding, write (DESIGN.md section 2).
+
+- `plan` (caller's thread): every leaf's manifest entry from its policy (policy.py), the leaves to quantize,
+  their gradients, layer types and base-checkpoint matches.
+- `dispatch` (caller's thread): the configuration (search.py, or the fixed one), the jitted encoders of weights
+  (quantize.py) and moments (moments.py) dispatched but not waited for, and host copies of the lossless leaves.
+  Nothing reads the caller's arrays after it returns: a training loop may donate them.
+- `write` (Orbax's commit thread): host copies of the codes, deltas against the previous save's codes of the same
+  shard (delta.py), entropy coding (codec.py), this process's blob, data file and offset table (store.py), and
+  the manifest (primary host). It returns the `ItemState` the next save of the same (root, item) builds on.
+
+State that outlives a save is an `ItemState` value, keyed by (root, item) by its owner (the handler), never
+shared between items.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import re
+import time
+import warnings
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+
+from inshrink_jax import codec, delta, moments, policy, quantize, records, search, store
+from inshrink_jax.config import CompressionConfig, QuantConfig
+
+_QUANTIZABLE = {"float32", "bfloat16", "float16"}
+# Positions of protected values are int32 (jax without x64): a quantized shard must index within it.
+MAX_SHARD_ELEMENTS = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemState:
+    """What the saves of one (root, item) carry from one to the next.
+
+    Attributes:
+      object_id: the object whose codes `codes` holds (None: nothing to delta against; the next save is a
+        keyframe). Usable only once committed (`store.is_committed`).
+      codes: (leaf key path, shard box key) -> (uint8 codes, bins, chain depth) of this process's shards.
+      quant: the search's last choice (a QuantConfig or search.LOSSLESS), None before the first search.
+    """
+
+    object_id: str | None = None
+    codes: Mapping = dataclasses.field(default_factory=dict)
+    quant: QuantConfig | str | None = None
+
+
+def state_of_restore(reader: store.Reader) -> ItemState:
+    """The state a restored step leaves: its codes (those this process decoded) to continue the chain, and its
+    search choice (precision never decreases across a resume)."""
+    bins = {m.keystr: m.bins for m in reader.manifest.leaves if m.kind == "quantized"}
+    codes = {key: (c, bins[key[0]], depth) for key, (c, depth) in reader.codes_cache.items()}
+    rec = reader.manifest.search
+    quant = None
+    if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed") and "chosen" in rec:
+        chosen = rec["chosen"]
+        quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
+    return ItemState(reader.object_id, codes, quant)
+
+
+# ---------------------------------------------------------------------------------------------------- plan
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one save stores, decided before any device work.
+
+    Attributes:
+      leaves: the flattened state's leaves; treedef: its structure.
+      records: each leaf's manifest entry (quantized ones without bins / centres yet).
+      weights, moments: indices of the leaves quantized by the weights' method and by the moments' method.
+      owners: for each moment, the position in `weights` of the weight it mirrors, or None.
+      first: for each moment, whether it is a first moment (it then takes its weight's pruning).
+      grads: for each weight, its gradient EMA or None.
+      base_of: weight index -> the base checkpoint's leaf it is stored against.
+    """
+
+    leaves: list
+    treedef: Any
+    records: list[records.Leaf]
+    weights: list[int]
+    moments: list[int]
+    owners: list[int | None]
+    first: list[bool]
+    grads: list
+    base_of: dict[int, str]
+
+
+def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
+    """The plan of saving `state` (see `Plan`); `base` is a base.BaseCheckpoint or None."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)
+    policies = policy.classify(state, cfg, labels)
+    recs = [leaf_record(path, x, pol, cfg) for (path, x), pol in zip(flat, policies)]
+    weights = [i for i, r in enumerate(recs) if r.method == "weights"]
+    moment_idx = [i for i, r in enumerate(recs) if r.method == "moments"]
+    by_path = {} if grads is None else {
+        jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    base_of = {} if base is None else {
+        i: b for i in weights if (b := base.match(recs[i].path, recs[i].shape)) is not None}
+    return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
+                _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
+                [_mirrored(flat[i][0], by_path) for i in weights], base_of)
+
+
+def _tails(path) -> list[str]:
+    """Key-path strings of every non-empty tail of `path`, longest first."""
+    return [jax.tree_util.keystr(tuple(path[j:])) for j in range(len(path))]
+
+
+def _mirrored(path, by_path: dict):
+    """The entry of `by_path` (a mirror of part of the state, e.g. grads of a TrainState's params) for the leaf at
+    `path`: the one whose key path is the longest tail of `path`."""
+    return next((by_path[t] for t in _tails(path) if t in by_path), None)
+
+
+def _owners(flat: list, weights: list[int], moment_idx: list[int], policies) -> list[int | None]:
+    """For each moment leaf, the position in `weights` of its weight: the one weight of equal shape whose key
+    path ends with the path the moment mirrors (policy.LeafPolicy.mirror); None if there is no single one."""
+    by_tail: dict[str, list[int]] = {}
+    for k, i in enumerate(weights):
+        for tail in _tails(flat[i][0]):
+            by_tail.setdefault(tail, []).append(k)
+    out = []
+    for i in moment_idx:
+        mirror = policies[i].mirror
+        hits = [k for k in by_tail.get(jax.tree_util.keystr(mirror), [])
+                if tuple(flat[weights[k]][1].shape) == tuple(flat[i][1].shape)] if mirror else []
+        out.append(hits[0] if len(hits) == 1 else None)
+    return out
+
+
+def leaf_record(path, x, pol: policy.LeafPolicy, cfg: CompressionConfig) -> records.Leaf:
+    """The manifest entry of one leaf under its policy (quantized entries without bins / centres yet)."""
+    keystr = jax.tree_util.keystr(path)
+    entries = records.path_entries(path)
+    if x is None or isinstance(x, (bool, int, float, str)):
+        if isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**63:
+            raise TypeError(f"leaf {keystr}: integer {x} does not fit in 64 bits")
+        return records.Leaf(entries, keystr, "scalar", value=x, type=type(x).__name__)
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        raise TypeError(f"leaf {keystr} has unsupported type {type(x).__name__}; inshrink_jax stores "
+                        "jax/NumPy arrays, Python scalars, strings and None")
+    common = dict(shape=list(x.shape), sharding=str(getattr(x, "sharding", "numpy")))
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if pol.policy == "drop":
+            raise ValueError(f"leaf {keystr} is a PRNG key, which cannot be dropped (zeros are not a fresh key). "
+                             "Narrow the policy rule or label.")
+        return records.Leaf(entries, keystr, "prng_key", dtype="uint32", impl=str(jax.random.key_impl(x)),
+                            data_shape=list(jax.random.key_data(x).shape), **common)
+    dtype = jnp.dtype(x.dtype)
+    part = pol.part if jnp.issubdtype(dtype, jnp.floating) and x.ndim >= 1 else "other"
+    if pol.policy == "drop":
+        return records.Leaf(entries, keystr, "dropped", dtype=dtype.name, part=part, **common)
+    if not (pol.policy == "quantize" and isinstance(x, jax.Array) and dtype.name in _QUANTIZABLE
+            and x.ndim >= 2 and x.size >= cfg.min_compress_size):
+        return records.Leaf(entries, keystr, "array", dtype=dtype.name, part=part, **common)
+    shard = int(np.prod(x.sharding.shard_shape(x.shape)))
+    if shard > MAX_SHARD_ELEMENTS:
+        raise ValueError(f"leaf {keystr}: a shard of {shard:,} elements is over the {MAX_SHARD_ELEMENTS:,} a "
+                         "quantized shard can address; shard the leaf over more devices, or store it losslessly "
+                         f"with policy_rules=(({re.escape(keystr)!r}, 'lossless'),)")
+    if pol.moment is not None:
+        return records.Leaf(entries, keystr, "quantized", dtype=dtype.name, part=part, method="moments", **common)
+    return records.Leaf(entries, keystr, "quantized", dtype=dtype.name, part=part, method="weights",
+                        layer_type=quantize.layer_type(keystr, x.shape, cfg.layer_type_rules), **common)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """A save after its device work was dispatched: everything the background write needs.
+
+    Attributes:
+      records: the manifest entries (quantized ones without bins / centres: those come off the device).
+      quant: the configuration used (None: every weight stored losslessly at this save).
+      quantized: indices of the quantized leaves, in the order of `devs`.
+      devs: the encoder outputs on the device(s).
+      shards: (leaf index, box, payload) of this process's shards: a `DeviceCodes` shard tuple or a host array.
+      manifest: the manifest fields besides the leaves, the object and the raw bytes.
+      started: `time.perf_counter()` when the save started; blocking: seconds the caller was blocked.
+    """
+
+    records: list[records.Leaf]
+    quant: QuantConfig | None
+    quantized: list[int]
+    devs: list
+    shards: list[tuple[int, list, Any]]
+    manifest: dict
+    started: float
+    blocking: float
+
+
+def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, previous: QuantConfig | str | None,
+             offsets: list, base_info: dict | None, primary: bool, started: float) -> tuple[Dispatched, Any]:
+    """Choose the configuration, dispatch the encoders, copy the lossless leaves; returns the dispatched save
+    and the search's choice for the next save (`ItemState.quant`). `offsets`: for each weight, the base
+    checkpoint's values it is stored against, or None."""
+    xs = [p.leaves[i] for i in p.weights]
+    layer_types = [p.records[i].layer_type for i in p.weights]
+    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets)
+    recs = list(p.records)
+    weights = p.weights
+    if quant is None:  # lossless: no weight quantized at this save
+        for i in weights:
+            recs[i] = dataclasses.replace(recs[i], kind="array", method=None, layer_type=None)
+        weights, devs = [], []
+    else:
+        for i in p.base_of:
+            recs[i] = dataclasses.replace(recs[i], base_leaf=p.base_of[i])
+        if devs is None:
+            devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets)
+    # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
+    # its base value, not a zero).
+    prune = [devs[k].codes if k is not None and first and devs[k].offset is None else None
+             for k, first in zip(p.owners if weights else [None] * len(p.moments), p.first)]
+    devs = list(devs) + moments.encode_on_device([p.leaves[i] for i in p.moments], prune, cfg)
+    quantized = list(weights) + list(p.moments)
+    shards = _device_shards(quantized, [p.leaves[i] for i in quantized], devs)
+    shards += _lossless_shards(p.leaves, recs, primary)
+    manifest = {"config": config_json(cfg), "quant": None if quant is None else dataclasses.asdict(quant),
+                "search": search_record, "base": base_info if any(r.base_leaf for r in recs) else None,
+                "sensitivity": (f"gradient EMA on {sum(g is not None for g in p.grads)} of {len(p.grads)} "
+                                "quantized leaves" if any(g is not None for g in p.grads)
+                                else "magnitude (no grads given)")}
+    return Dispatched(recs, quant, quantized, devs, shards, manifest, started,
+                      time.perf_counter() - started), choice
+
+
+def _device_shards(idx: list[int], xs: list, devs: list) -> list[tuple[int, list, Any]]:
+    """(leaf, box, (codes, centres, protected in place, bins)) of every shard this process writes."""
+    out = []
+    for i, x, dev in zip(idx, xs, devs):
+        in_place = {s.device: s.data for s in dev.protected_in_place.addressable_shards}
+        for s in dev.codes.addressable_shards:
+            if s.replica_id == 0:
+                out.append((i, store.box_of(s.index, x.shape), (s.data, dev.centres, in_place[s.device], dev.bins)))
+    return out
+
+
+def _lossless_shards(leaves: list, recs: list[records.Leaf], primary: bool) -> list[tuple[int, list, Any]]:
+    """(leaf, box, host copy) of every lossless shard this process writes: copied now, since the caller may
+    overwrite or donate its arrays once save() returns."""
+    out = []
+    for i, (x, r) in enumerate(zip(leaves, recs)):
+        if r.kind not in ("array", "prng_key"):
+            continue
+        data = jax.random.key_data(x) if r.kind == "prng_key" else x
+        if isinstance(data, jax.Array):
+            for s in data.addressable_shards:
+                if s.replica_id == 0:
+                    out.append((i, store.box_of(s.index, data.shape), np.array(s.data, copy=True)))
+        elif primary:
+            out.append((i, [[0, n] for n in np.shape(data)], np.array(data, copy=True)))
+    return out
+
+
+def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets):
+    """(configuration or None for lossless, its encoded leaves if the search made them, the search's record,
+    the choice the next save's search starts from)."""
+    if not p.weights:
+        return cfg.quant, None, {"mode": "none (no compressed leaves)"}, previous
+    if not cfg.search:
+        if eval_fn is not None:
+            raise ValueError("InshrinkSave(eval_fn=...) is given but CompressionConfig(search=False): the "
+                             "configuration is fixed, so eval_fn would never be called. Drop eval_fn, or "
+                             "enable the search.")
+        return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
+    layer_types = [p.records[i].layer_type for i in p.weights]
+    outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
+                                    previous, offsets)
+    if outcome.quant is None and previous != search.LOSSLESS:
+        budget = f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.proxy_budget}"
+        warnings.warn(f"no quantization configuration meets {budget} (the least aggressive one degrades by "
+                      f"more); parameters are stored losslessly from this save on, as precision never "
+                      f"decreases. A larger budget, or an eval_fn on more held-out data (less noise), keeps "
+                      f"them compressed.", stacklevel=4)
+    return outcome.quant, outcome.payload, record, search.LOSSLESS if outcome.quant is None else outcome.quant
+
+
+def config_json(cfg: CompressionConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["layer_type_rules"] = [list(r) for r in cfg.layer_type_rules]
+    d["policy_rules"] = [list(r) for r in cfg.policy_rules]
+    return d
+
+
+# --------------------------------------------------------------------------------------------------- write
+def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_every: int):
+    """(segments, chain link or None) of one shard: host copy, delta against the previous codes, entropy coding."""
+    if not isinstance(payload, tuple):
+        return {"data": (*codec.compress_best(payload, codec.LOSSLESS_CODECS), {})}, None
+    enc = quantize.to_host(*payload, rec.dtype)
+    prev = chain.codes.get((rec.keystr, store.box_key(box)))
+    if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < keyframe_every:
+        b = delta.modulus(prev[1], enc.bins)
+        stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": chain.object_id, "modulus": b}, prev[2] + 1
+    else:
+        stream, extra, depth = enc.codes, {}, 0
+    segments = {
+        "codes": (*codec.compress_best(stream, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
+        "protected": (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
+                      {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)}),
+    }
+    return segments, (enc.codes, enc.bins, depth)
+
+
+def write(d: Dispatched, directory, object_id: str, chain: ItemState, choice, cfg: CompressionConfig,
+          process: int, process_count: int, primary: bool, threads: int) -> ItemState:
+    """The background part of a save (Orbax's commit thread): entropy-code and write this process's shards
+    into the object `object_id` (deltas against `chain` where it allows), and the manifest on the primary
+    host. Returns the state the next save of this (root, item) builds on."""
+    for dev in d.devs:  # copies issued here, on the commit thread, so save() does not pay for issuing them
+        dev.start_copy_to_host()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(lambda t: _encode_shard(d.records[t[0]], t[1], t[2], chain, cfg.keyframe_every),
+                                d.shards))
+    root, item, _ = store.locate(directory)
+    writer = store.BlobWriter(store.object_path(root, item, object_id), process)
+    stored = {part: 0 for part in records.PARTS}
+    links: dict = {}
+    for (i, box, _), (segments, link) in zip(d.shards, results):
+        stored[d.records[i].part] += writer.add(d.records[i].keystr, box, segments)
+        if link is not None:
+            links[(d.records[i].keystr, store.box_key(box))] = link
+    depths = [depth for _, _, depth in links.values()]
+    writer.close(records.ProcessFigures(
+        stored_bytes=stored, blocking_seconds=d.blocking, total_seconds=time.perf_counter() - d.started,
+        keyframe_shards=depths.count(0), delta_shards=len(depths) - depths.count(0),
+        max_depth=max(depths, default=0)))
+    if primary:
+        store.write_json(epath.Path(directory) / store.MANIFEST,
+                         manifest(d, object_id, process_count).to_json())
+    return ItemState(object_id, links, choice)
+
+
+def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manifest:
+    """The step's manifest, with the centres of the quantized leaves (replicated: every process has them)."""
+    recs = list(d.records)
+    for i, dev in zip(d.quantized, d.devs):
+        recs[i] = dataclasses.replace(recs[i], bins=dev.bins,
+                                      centres=[float(c) for c in np.asarray(dev.centres)[:dev.bins]])
+    raw = {part: 0 for part in records.PARTS}
+    for r in recs:
+        if r.shape is not None:
+            raw[r.part] += int(np.prod(r.data_shape or r.shape)) * jnp.dtype(r.dtype).itemsize
+    return records.Manifest(store.FORMAT, store.FORMAT_VERSION, process_count, object_id, recs, raw_bytes=raw,
+                            **d.manifest)

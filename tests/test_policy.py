@@ -1,0 +1,119 @@
+"""Leaf policies by structure (policy.py): optax state types, NNX variable types, Linen collections, user rules
+and labels; and through the handler, what each decision stores and restores."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import inshrink_jax as ij
+from inshrink_jax import policy, save
+
+
+def kinds(state, labels=None, **cfg):
+    """Key path -> (kind, method) of each leaf as a save would store it."""
+    plan = save.plan(state, None, labels, ij.CompressionConfig(**cfg))
+    return {r.keystr: (r.kind, r.method) for r in plan.records}
+
+
+def vae_params():
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.normal(size=s).astype(np.float32))  # noqa: E731
+    return {"encoder": {"mu": {"kernel": w(64, 32)}, "nu": {"kernel": w(64, 32)}},
+            "trace": {"kernel": w(32, 64)}, "momentum": {"kernel": w(32, 64)}}
+
+
+def test_parameters_under_modules_named_like_moments_are_parameters(tmp_path):
+    params = vae_params()
+    state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
+    k = kinds(state)
+    for name in ("['encoder']['mu']", "['encoder']['nu']", "['trace']", "['momentum']"):
+        assert k[f"['params']{name}['kernel']"] == ("quantized", "weights")
+        assert k[f"['opt_state'][0].mu{name}['kernel']"] == ("dropped", None)  # the real moments: dropped
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+        search=False)))
+    mngr.save(0, args=ij.InshrinkSave(state))
+    mngr.wait_until_finished()
+    r = mngr.restore(0)
+    mu = np.asarray(r["params"]["encoder"]["mu"]["kernel"])
+    original = np.asarray(params["encoder"]["mu"]["kernel"])
+    assert np.count_nonzero(mu) > 0.9 * mu.size
+    assert np.corrcoef(mu.ravel(), original.ravel())[0, 1] > 0.99
+
+
+@pytest.mark.parametrize("key", ["opt_state", "optimizer_stuff", "x"])
+def test_amsgrad_nu_max_is_a_moment_under_any_key(key):
+    params = vae_params()
+    state = {"params": params, key: optax.chain(optax.clip(1.0), optax.amsgrad(1e-3)).init(params)}
+    k = kinds(state, optimizer="quantize")
+    nu_max = {p: v for p, v in k.items() if ".nu_max" in p}
+    assert len(nu_max) == 4 and set(nu_max.values()) == {("quantized", "moments")}
+    pols = policy.classify(state, ij.CompressionConfig())
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    roles = {jax.tree_util.keystr(p): pol.moment for (p, _), pol in zip(flat, pols)}
+    assert {roles[p] for p in nu_max} == {policy.SECOND}
+    assert {v for p, v in roles.items() if ".mu[" in p} == {policy.FIRST}
+
+
+def test_batch_statistics_are_lossless_whatever_their_shape():
+    rng = np.random.default_rng(0)
+    state = {"params": {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)},
+             "batch_stats": {"bn": {"mean": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)}}}
+    k = kinds(state)
+    assert k["['batch_stats']['bn']['mean']"] == ("array", None)
+    assert k["['params']['w']"] == ("quantized", "weights")
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.mu = nnx.Linear(64, 64, rngs=rngs)
+        self.bn = nnx.BatchNorm(64, rngs=rngs)
+        self.stats = nnx.BatchStat(jnp.ones((64, 64)))
+
+
+def test_nnx_variable_types_decide():
+    model = Model(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.amsgrad(1e-3), wrt=nnx.Param)
+    k = kinds({"model": nnx.state(model), "opt": nnx.state(opt)}, optimizer="quantize")
+    assert k["['model']['mu']['kernel'].value"] == ("quantized", "weights")
+    assert k["['model']['stats'].value"] == ("array", None)  # a 2-D BatchStat
+    assert k["['opt']['opt_state'][0]['nu_max']['mu']['kernel'].value"] == ("quantized", "moments")
+    assert k["['opt']['opt_state'][0]['mu']['mu']['kernel'].value"] == ("quantized", "moments")
+    assert k["['opt']['opt_state'][0]['count'].value"] == ("array", None)
+
+
+def test_a_restored_plain_tree_keeps_its_moments():
+    """A restore without a target returns dicts; an optax state in it is known by its field set."""
+    params = vae_params()
+    plain = {"params": params, "opt_state": [{"count": jnp.int32(3), **{f: params for f in ("mu", "nu")}}, {}]}
+    k = kinds(plain)
+    assert k["['opt_state'][0]['nu']['encoder']['mu']['kernel']"] == ("dropped", None)
+    assert k["['opt_state'][0]['count']"] == ("dropped", None)  # reset with the dropped second moment
+    assert kinds({"params": {"trace": params["trace"]}})["['params']['trace']['kernel']"] == ("quantized", "weights")
+
+
+def test_a_policy_rule_that_matches_nothing_is_an_error():
+    state = {"params": vae_params()}
+    with pytest.raises(ValueError, match=r"policy_rules \[\('opt_state', 'drop'\)\] match no array leaf"):
+        kinds(state, policy_rules=(("opt_state", "drop"),))
+
+
+def test_labels_override_by_function_and_by_tree():
+    params = vae_params()
+    state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
+    k = kinds(state, labels=lambda path, x: "lossless" if jax.tree_util.keystr(path).startswith("['params']['enc")
+              else None)
+    assert k["['params']['encoder']['mu']['kernel']"] == ("array", None)
+    assert k["['params']['trace']['kernel']"] == ("quantized", "weights")
+    k = kinds(state, labels={"params": {"encoder": "lossless", "trace": None, "momentum": None}, "opt_state": None})
+    assert k["['params']['encoder']['nu']['kernel']"] == ("array", None)
+    assert k["['params']['momentum']['kernel']"] == ("quantized", "weights")
+    with pytest.raises(ValueError, match="labels no leaf"):
+        kinds(state, labels={"params": None, "opt_state": None})
+    with pytest.raises(ValueError, match="structure of the saved state"):
+        kinds(state, labels={"other": "lossless"})
+    with pytest.raises(ValueError, match="is labelled 'zero'"):
+        kinds(state, labels=lambda path, x: "zero")
