@@ -46,6 +46,7 @@ FORMAT_VERSION = 6  # 4: leaves of kind "dropped"; quantized leaves of method "m
 # 5: level-index deltas against a base checkpoint of another root (no longer read: they lost the fine-tune)
 # 6: weights stored as residuals against a base checkpoint (leaf field `base_leaf`, manifest `base`, the base's
 #    object listed by absolute path in the step's commit record)
+OLDEST_READ = 2  # tests/data/format_v<N>: a golden checkpoint of every version read
 MANIFEST = "manifest.json"
 COMMIT = "commit.json"
 OBJECTS = "inshrink_objects"
@@ -152,6 +153,10 @@ def read_manifest(directory) -> records.Manifest:
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{describe(directory)}: not an inshrink_jax checkpoint item")
     version = body.get("version")
+    if isinstance(version, int) and version < OLDEST_READ:
+        raise CheckpointCorruptError(f"{describe(directory)}: written by format version {version} (before the "
+                                     f"object store), which this release does not read; it reads versions "
+                                     f"{OLDEST_READ} to {FORMAT_VERSION}")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointCorruptError(f"{describe(directory)}: written by format version {version}, this release "
                                      f"reads up to {FORMAT_VERSION}; upgrade inshrink_jax")
@@ -241,6 +246,7 @@ def _index(path: epath.Path, p: int, directory) -> tuple[dict, bytes, list[recor
     try:
         if not isinstance(index, dict) or not isinstance(index.get("entries"), list):
             raise records.RecordError("no entries")
+        index.setdefault("data_bytes", 0)  # format version 2 kept every segment in blob.<p>
         for key in ("blob_bytes", "data_bytes"):
             if not isinstance(index.get(key), int) or index[key] < 0:
                 raise records.RecordError(f"no valid {key!r}")

@@ -142,3 +142,25 @@ def test_the_console_script_is_installed(root):
     assert exe is not None, "pip install -e . installs the inshrink-jax command next to the interpreter"
     done = subprocess.run([exe, "verify", str(root)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "all good" in done.stdout
+
+
+@pytest.mark.parametrize("options", [dict(step_prefix="ckpt"), dict(step_format_fixed_length=6),
+                                     dict(step_prefix="run", step_format_fixed_length=4)])
+def test_step_names_of_any_manager_options(tmp_path, capsys, options):
+    cfg = ij.CompressionConfig(search=False, optimizer="quantize")
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler(cfg),
+                                 options=ocp.CheckpointManagerOptions(**options))
+    for i in (3, 12):
+        mngr.save(i, args=ij.InshrinkSave(state_at(i)))
+        mngr.wait_until_finished()
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name != store.OBJECTS)
+    assert all(not n.isdigit() or len(n) > 2 for n in names), names  # really not plain step numbers
+    assert cli.main(["inspect", str(tmp_path)]) == 0
+    rows = [l.split()[:2] for l in capsys.readouterr().out.splitlines() if l.strip()[:1].isdigit()]
+    assert rows == [["3", "keyframe"], ["12", "delta"]]
+    assert cli.main(["verify", str(tmp_path)]) == 0
+    assert cli.main(["inspect", str(tmp_path), "--step", "12"]) == 0
+    out = tmp_path.parent / f"export-{tmp_path.name}"
+    assert cli.main(["export", str(tmp_path), "--step", "12", str(out)]) == 0
+    restored = ocp.StandardCheckpointer().restore(out)
+    assert int(restored["step"]) == 12

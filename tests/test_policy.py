@@ -117,3 +117,27 @@ def test_labels_override_by_function_and_by_tree():
         kinds(state, labels={"other": "lossless"})
     with pytest.raises(ValueError, match="is labelled 'zero'"):
         kinds(state, labels=lambda path, x: "zero")
+
+
+def save_and_restore(tmp_path, state, **cfg):
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+        search=False, **cfg)))
+    mngr.save(0, args=ij.InshrinkSave(state))
+    mngr.wait_until_finished()
+    return mngr.restore(0)
+
+
+def test_through_the_handler_nu_max_is_dropped_and_batch_statistics_are_exact(tmp_path):
+    params = vae_params()
+    stats = jnp.asarray(np.random.default_rng(1).normal(size=(64, 64)), jnp.float32)
+    state = {"params": params, "batch_stats": {"bn": {"var": stats}},
+             "amsgrad": optax.amsgrad(1e-3).init(jax.tree.map(lambda x: x + 1.0, params))}
+    r = save_and_restore(tmp_path, state)  # default optimizer policy: drop
+    assert not np.any(np.asarray(r["amsgrad"][0]["nu_max"]["trace"]["kernel"]))
+    np.testing.assert_array_equal(np.asarray(r["batch_stats"]["bn"]["var"]), np.asarray(stats))
+
+
+def test_through_the_handler_an_unmatched_rule_refuses_the_save(tmp_path):
+    with pytest.raises(ValueError, match="match no array leaf"):
+        save_and_restore(tmp_path, {"params": vae_params()}, policy_rules=((r"\.nu\b", "quantize"),))
+    assert not any(p.name.isdigit() for p in tmp_path.iterdir())
