@@ -31,7 +31,7 @@ def weights_path() -> str:
     return os.path.join(spec.submodule_search_locations[0], "models", "efficientnet-lite0-57934424.pth")
 
 
-def _block_specs():
+def block_specs():
     specs, cin = [], 32
     for expand, k, stride, cout, repeats in STAGES:
         for r in range(repeats):
@@ -74,7 +74,7 @@ class EfficientNetLite0(nn.Module):
     def __call__(self, x, train: bool = False):
         x = nn.Conv(32, (3, 3), (2, 2), padding="SAME", use_bias=False, name="conv_stem")(x)
         x = nn.relu6(_BN(name="bn0")(x, train))
-        for i, spec in enumerate(_block_specs()):
+        for i, spec in enumerate(block_specs()):
             x = Block(*spec, name=f"blocks_{i}")(x, train)
         x = nn.relu6(_BN(name="bn1")(nn.Conv(1280, (1, 1), use_bias=False, name="conv_head")(x), train))
         return nn.Dense(self.classes, name="fc")(jnp.mean(x, axis=(1, 2)))
@@ -94,7 +94,7 @@ def from_torch(sd: dict[str, np.ndarray]) -> dict:
 
     params["conv_stem"] = conv("_conv_stem")
     params["bn0"], stats["bn0"] = bn("_bn0")
-    for i, (_, expand, _, _, _) in enumerate(_block_specs()):
+    for i, (_, expand, _, _, _) in enumerate(block_specs()):
         p, s, pre = {}, {}, f"_blocks.{i}"
         if expand != 1:
             p["expand_conv"] = conv(f"{pre}._expand_conv")

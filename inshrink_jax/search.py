@@ -254,7 +254,8 @@ def search(
       evaluate: maps candidates to (relative degradation, payload) each; inf or NaN is infeasible.
       cube: the space; metrics: the prune metrics to consider (one when there are no gradients).
       epsilon: largest accepted degradation; batch: candidates per round.
-      estimate: estimated compression ratio of a cube point (strictly decreasing along every axis).
+      estimate: estimated compression ratio of a cube point; it orders candidates only (it falls along the bins
+        and protect axes, but not always along the prune axis: see the module docstring).
       previous: the previous save's configuration, LOSSLESS, or None (first save / no usable previous).
       switch_margin: the previous configuration switches prune metric when the other metric's degradation is
         lower by more than `switch_margin * epsilon`.

@@ -4,8 +4,8 @@ The partition of ALGORITHM.md step 2 needs "the top f by magnitude", "the f leas
 The paper reads these thresholds off its sketch (relative error alpha in value, which can be percents in rank
 where weights are dense). We find the exact order statistic instead, with the same number of histogram passes
 as sketch + refinement: non-negative float32 scores order like their int32 bit patterns, so one histogram of
-the top 13 bits finds the bucket holding the k-th largest, and one histogram of the low 18 bits of the
-elements in that bucket finds the value. Both histograms merge by addition, so scores may be sharded or spread
+the high 15 bits (`_HIGH_BUCKETS`) finds the bucket holding the k-th largest, and one histogram of the low
+16 bits (`_LOW_BITS`) of the elements in that bucket finds the value. Both histograms merge by addition, so scores may be sharded or spread
 over all tensors of a layer type.
 """
 

@@ -29,7 +29,7 @@ def _torch_state_dict(rng):
 
     conv("_conv_stem", 32, 3, 3)
     bn("_bn0", 32)
-    for i, (cin, expand, k, _, cout) in enumerate(E._block_specs()):
+    for i, (cin, expand, k, _, cout) in enumerate(E.block_specs()):
         mid = cin * expand
         if expand != 1:
             conv(f"_blocks.{i}._expand_conv", mid, cin, 1)
