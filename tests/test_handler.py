@@ -309,3 +309,22 @@ def test_prng_key_restores_into_the_target_sharding(tmp_path):
         assert r[name].sharding.is_equivalent_to(replicated, r[name].ndim)
         assert len(r[name].addressable_shards) == 4
         np.testing.assert_array_equal(jax.random.key_data(r[name]), jax.random.key_data(tree[name]))
+
+
+@pytest.mark.parametrize("opts", [dict(primary_host=None), dict(active_processes={0})])
+def test_multiprocessing_options_every_host_primary_and_active_processes(tmp_path, opts):
+    """Orbax's `primary_host=None` (every host primary) and `active_processes` are honoured (one process here;
+    tests/test_multiprocess.py runs two with the default options)."""
+    from orbax.checkpoint import options as options_lib
+
+    mp = options_lib.MultiprocessingOptions(**opts)
+    h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False), multiprocessing_options=mp)
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=h, options=ocp.CheckpointManagerOptions(
+        multiprocessing_options=mp, create=False))
+    tree = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)), jnp.float32), "s": jnp.int32(3)}
+    for step in (0, 1):
+        mngr.save(step, args=ij.InshrinkSave(tree))
+    mngr.wait_until_finished()
+    assert mngr.item_metadata(1)["kind"] == "delta"
+    r = mngr.restore(1, args=ij.InshrinkRestore(abstract(tree)))
+    assert int(r["s"]) == 3 and np.corrcoef(np.ravel(r["w"]), np.ravel(tree["w"]))[0, 1] > 0.99
