@@ -31,7 +31,7 @@ import numpy as np
 
 from inshrink_jax import kmeans, sketch
 from inshrink_jax.config import CompressionConfig
-from inshrink_jax.quantize import PRUNED, DeviceCodes, seed_key
+from inshrink_jax.quantize import PRUNED, DeviceCodes, protected_code, seed_key
 
 # Which leaves are moments, and which are first moments, is policy.py's decision. First moments follow their
 # weight's pruning; second moments never do: a weight pruned to 0 with mu = 0 and its nu kept gets a small first
@@ -77,7 +77,7 @@ def _encode_moments(ms, weight_codes, key, *, bins, spec, iters, tol, restarts, 
         level = kmeans.assign(jnp.log(jnp.maximum(mag, tiny)), c)
         code = jnp.where(negative, bins - level, bins + 1 + level)
         code = jnp.where(keep, code, PRUNED)
-        codes.append(jnp.where(finite, code, 2 * bins + 1).astype(jnp.uint8))
+        codes.append(jnp.where(finite, code, protected_code(table_size(bins))).astype(jnp.uint8))
         levels = jnp.clip(jnp.exp(c), float(info.tiny), float(info.max))
         tables.append(jnp.concatenate([-levels[::-1], levels]))
         in_place.append(jnp.where(finite, jnp.zeros((), m.dtype), m))
