@@ -54,12 +54,12 @@ class ItemState:
 
 def state_of_restore(reader: store.Reader) -> ItemState:
     """The state a restored step leaves: its codes (those this process decoded) to continue the chain, and its
-    search choice (precision never decreases across a resume)."""
+    search choice (the search goes on from it across a resume)."""
     bins = {m.keystr: m.bins for m in reader.manifest.leaves if m.kind == "quantized"}
     codes = {key: (c, bins[key[0]], depth) for key, (c, depth) in reader.codes_cache.items()}
     rec = reader.manifest.search
     quant = None
-    if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed") and "chosen" in rec:
+    if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed", search.UNMEASURED) and "chosen" in rec:
         chosen = rec["chosen"]
         quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
     return ItemState(reader.object_id, codes, quant)
@@ -273,12 +273,17 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets):
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
                                     previous, offsets)
+    if outcome.mode == search.UNMEASURED:
+        warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
+                      "cannot be measured: this save stores the parameters losslessly, and the next save "
+                      "searches again from the last configuration.", stacklevel=4)
+        return None, None, record, previous
     if outcome.quant is None and previous != search.LOSSLESS:
         budget = f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.proxy_budget}"
         warnings.warn(f"no quantization configuration meets {budget} (the least aggressive one degrades by "
-                      f"more); parameters are stored losslessly from this save on, as precision never "
-                      f"decreases. A larger budget, or an eval_fn on more held-out data (less noise), keeps "
-                      f"them compressed.", stacklevel=4)
+                      f"more); this save stores the parameters losslessly. Each later save checks the least "
+                      f"aggressive configuration and compresses again once it meets the budget. A larger budget, "
+                      f"or an eval_fn on more held-out data (less noise), keeps them compressed.", stacklevel=4)
     return outcome.quant, outcome.payload, record, search.LOSSLESS if outcome.quant is None else outcome.quant
 
 

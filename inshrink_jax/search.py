@@ -19,7 +19,8 @@ degradation is at most epsilon:
   metric when the other is clearly better), then its neighbours one step less aggressive on each axis. The
   choice never becomes more aggressive than the previous one. When no neighbour is feasible, fall back to the
   exhaustive search over the configurations that are not more aggressive than the previous one; when nothing
-  is feasible, store the parameters losslessly (and keep doing so: precision never decreases).
+  is feasible, store the parameters losslessly; later saves re-check the least aggressive configuration (one
+  round) and search afresh once it is feasible again (a fallback is not permanent).
 - Candidates are evaluated in rounds of `search_batch` (their device work is dispatched together) in order of
   estimated ratio, and each search stops at the first round that settles it.
 
@@ -34,6 +35,7 @@ import dataclasses
 import itertools
 import math
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -44,6 +46,7 @@ from inshrink_jax import quantize
 from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
 
 LOSSLESS = "lossless"
+UNMEASURED = "unmeasured"
 _PROTECTED_BITS = 16  # a bf16 protected value; only used to order candidates
 
 
@@ -124,7 +127,9 @@ class Outcome:
       degradation: its measured relative degradation (0 for lossless).
       mode: "exhaustive" (first save, or no usable previous configuration), "neighbourhood", "fallback"
         (neighbourhood found nothing, exhaustive over the not-more-aggressive part), "lossless" (the previous
-        save was lossless; precision never decreases).
+        save was lossless and the least aggressive configuration still does not meet the budget), "recovered"
+        (it does again: exhaustive search), UNMEASURED (eval_fn gave no finite value for the uncompressed
+        state: this save is lossless, the next one searches from the previous choice).
       evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
       rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
       payload: the evaluator's payload for the chosen candidate (the handler's encoded device arrays).
@@ -261,12 +266,18 @@ def search(
         lower by more than `switch_margin * epsilon`.
     """
     ev = _Evaluations(cube, evaluate, epsilon, batch, estimate)
+    mode = "exhaustive"
     if previous == LOSSLESS:
-        return Outcome(None, 0.0, "lossless")
+        # A fallback is not permanent: one round checks the least aggressive configuration, and as soon as it
+        # meets the budget the search starts afresh.
+        ev.run([(m, cube.top) for m in metrics])
+        if ev.best is None:
+            return ev.outcome("lossless")
+        previous, mode = None, "recovered"
     if previous is None:
         for metric in metrics:
             _exhaustive(ev, metric, tuple(0 for _ in cube.values))
-        return ev.outcome("exhaustive")
+        return ev.outcome(mode)
 
     p = cube.point(previous)
     metric = previous.prune_metric if previous.prune_metric in metrics else metrics[0]
@@ -324,6 +335,7 @@ class Evaluator:
         self.gs, self.layer_types, self.cfg, self.eval_fn = list(gs), list(layer_types), cfg, eval_fn
         self.eval_calls = 0
         self.baseline: float | None = None  # measured with the first candidates
+        self.values: list[float] = []  # every value eval_fn returned, the baseline first
 
 
     def _call(self, leaves):
@@ -331,11 +343,20 @@ class Evaluator:
         return self.eval_fn(jax.tree_util.tree_unflatten(self.treedef, leaves))
 
     def _score(self, value) -> float:
-        try:
-            return float(np.asarray(value).reshape(()))
-        except (TypeError, ValueError):
-            raise ValueError(f"eval_fn must return one scalar (a loss, or an accuracy with "
-                             f"CompressionConfig(higher_is_better=True)); it returned {value!r}") from None
+        arr = None if isinstance(value, (str, bytes, dict, list, tuple)) or value is None else np.asarray(value)
+        if arr is None or arr.dtype.kind not in "iuf" or arr.size != 1:
+            raise TypeError(f"eval_fn must return one real number (a loss, or an accuracy with "
+                            f"CompressionConfig(higher_is_better=True)); it returned {str(value)[:80]!r} of type "
+                            f"{type(value).__name__}")
+        q = float(arr.reshape(()))
+        self.values.append(q)
+        return q
+
+    def measure_baseline(self) -> float:
+        """eval_fn of the uncompressed state at this step (once)."""
+        if self.baseline is None:
+            self.baseline = self._score(self._call(self.leaves))
+        return self.baseline
 
     def degradation(self, q: float) -> float:
         """Relative degradation of quality `q` against the baseline (>0 is worse; inf for NaN)."""
@@ -348,8 +369,8 @@ class Evaluator:
         return worse / abs(q0)
 
     def __call__(self, quants: Sequence[QuantConfig]) -> list[tuple[float, list]]:
-        if self.eval_fn is not None and self.baseline is None:
-            self.baseline = self._score(self._call(self.leaves))
+        if self.eval_fn is not None:
+            self.measure_baseline()
         # Dispatch every candidate's device work first, then block on the scores together.
         encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets)
                    for q in quants]
@@ -374,7 +395,12 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     """Run the search for one save; returns the outcome and its record for the manifest (chosen
     configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds).
     `offsets` (per quantized leaf, None or its base weight) are passed to the encoder: those leaves are
-    encoded as residuals and scored as base + decoded residual."""
+    encoded as residuals and scored as base + decoded residual.
+
+    An eval_fn value that is not a real number is a TypeError. A non-finite value for the uncompressed state
+    gives mode UNMEASURED (nothing evaluated; the caller stores this save losslessly); one for a candidate makes
+    that candidate infeasible. An eval_fn that returns the same value for every state, or that improves
+    a lot under quantization (a loss with higher_is_better=True, or the reverse), gets a warning."""
     t0 = time.perf_counter()
     space = cfg.search_space
     has_grads = any(g is not None for g in gs)
@@ -388,15 +414,20 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets)
     budget = cfg.epsilon if eval_fn is not None else cfg.proxy_budget
-    outcome = search(evaluator, cube, metrics, budget, cfg.search_batch,
-                     lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits), previous,
-                     cfg.metric_switch_margin)
+    if eval_fn is not None and not math.isfinite(evaluator.measure_baseline()):
+        outcome = Outcome(None, 0.0, UNMEASURED)
+    else:
+        outcome = search(evaluator, cube, metrics, budget, cfg.search_batch,
+                         lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits), previous,
+                         cfg.metric_switch_margin)
+        _check_eval_fn(evaluator, budget)
     record = {
         "mode": outcome.mode,
         "quality": ("eval_fn, " + ("higher is better" if cfg.higher_is_better else "lower is better"))
         if eval_fn is not None else "data-free proxy: sensitivity-weighted relative reconstruction error",
         "budget": budget,
-        "baseline": evaluator.baseline,
+        "baseline": evaluator.baseline if evaluator.baseline is None or math.isfinite(evaluator.baseline)
+        else str(evaluator.baseline),
         "degradation": outcome.degradation,
         "chosen": LOSSLESS if outcome.quant is None else dataclasses.asdict(outcome.quant),
         "candidates": outcome.evaluations,
@@ -406,3 +437,21 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         "seconds": time.perf_counter() - t0,
     }
     return outcome, record
+
+
+def _check_eval_fn(evaluator: Evaluator, budget: float) -> None:
+    """Warn about an eval_fn whose values cannot be what the search needs (see `choose`)."""
+    values = evaluator.values
+    if evaluator.eval_fn is None or len(values) < 3:
+        return
+    if all(v == values[0] for v in values):
+        warnings.warn(f"eval_fn returned exactly {values[0]!r} for the uncompressed state and for all "
+                      f"{len(values) - 1} candidates of this save: it does not seem to depend on the state it is "
+                      "given (does it use the live parameters instead of its argument?). The search then takes "
+                      "the most compressive configuration.", stacklevel=5)
+        return
+    best = min(evaluator.degradation(v) for v in values[1:])
+    if best < -max(2 * budget, 0.1):
+        warnings.warn(f"a quantized candidate measured {-best:.0%} better than the uncompressed state on "
+                      f"eval_fn; quantization rarely improves quality that much. Is the direction right "
+                      f"(CompressionConfig.higher_is_better={evaluator.cfg.higher_is_better})?", stacklevel=5)

@@ -136,12 +136,15 @@ def test_fallback_to_exhaustive_search_when_no_neighbour_is_feasible():
     assert CUBE.point(out.quant) == (4, 1, 1)  # the best that is not more aggressive than the previous
 
 
-def test_nothing_feasible_is_lossless_and_stays_lossless():
+def test_nothing_feasible_is_lossless_until_the_least_aggressive_configuration_holds_again():
     evaluate, _ = linear_quality((1.0, 1.0, 1.0), 100.0)
     out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, None)
     assert out.quant is None and out.mode == "exhaustive"
     out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, search.LOSSLESS)
-    assert (out.quant, out.mode, out.evaluations) == (None, "lossless", 0)
+    assert (out.quant, out.mode, out.evaluations, out.rounds) == (None, "lossless", 1, 1)  # one probe: the top
+    evaluate, _ = linear_quality((1.0, 0.0, 0.0), 2.0)  # quality is back: bins index >= 2 holds
+    out = search.search(evaluate, CUBE, ["magnitude"], EPS, 4, estimate, search.LOSSLESS)
+    assert out.mode == "recovered" and CUBE.point(out.quant)[0] == 2
 
 
 def test_cube_maps_a_configuration_outside_the_space_to_one_not_more_aggressive():
@@ -252,7 +255,8 @@ def test_epsilon_zero_never_accepts_a_degradation(tmp_path, run):
         mngr.wait_until_finished()
         fig = mngr.item_metadata(step)
         assert fig["search"]["chosen"] == "lossless" and fig["quant"] is None
-    assert fig["search"]["mode"] == "lossless" and fig["search"]["eval_fn_calls"] == 0
+    # a later save probes only the least aggressive configuration (per prune metric): the baseline and one round
+    assert fig["search"]["mode"] == "lossless" and fig["search"]["eval_fn_calls"] == 2
     restored = mngr.restore(1)
     for a, b in zip(jax.tree.leaves(restored["params"]), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), b)
@@ -264,10 +268,75 @@ def test_eval_fn_with_the_search_off_is_an_error(tmp_path):
         mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: 0.0))
 
 
-def test_eval_fn_must_return_a_scalar(tmp_path):
+@pytest.mark.parametrize("value", [jnp.ones(3), "0.5", None, {"loss": 0.5}, True, jnp.bool_(True)])
+def test_eval_fn_must_return_a_real_number(tmp_path, value):
     mngr = manager(tmp_path)
-    with pytest.raises(ValueError, match="one scalar"):
-        mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: jnp.ones(3)))
+    with pytest.raises(TypeError, match="eval_fn must return one real number"):
+        mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: value))
+    assert mngr.all_steps() == []
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_eval_fn_makes_only_that_save_lossless(tmp_path, run, bad):
+    state, _, val = run
+    grads = None
+    eval_fn = eval_loss(val)
+    answers = iter([bad])  # the uncompressed state of the first save only
+    mngr = manager(tmp_path)
+    with pytest.warns(UserWarning, match=f"eval_fn returned {bad} for the uncompressed state"):
+        mngr.save(0, args=ij.InshrinkSave(state, grads=grads,
+                                          eval_fn=lambda s: next(answers, None) or eval_fn(s)))
+    mngr.wait_until_finished()
+    fig = mngr.item_metadata(0)
+    assert fig["search"]["mode"] == "unmeasured" and fig["quant"] is None and fig["search"]["eval_fn_calls"] == 1
+    mngr.save(1, args=ij.InshrinkSave(state, grads=grads, eval_fn=eval_fn))
+    mngr.wait_until_finished()
+    fig = mngr.item_metadata(1)
+    assert fig["search"]["mode"] == "exhaustive" and fig["quant"] is not None
+
+
+def test_a_constant_eval_fn_or_an_inverted_direction_is_warned_about(tmp_path, run):
+    state, _, val = run
+    grads = None
+    with pytest.warns(UserWarning, match="does not seem to depend on the state"):
+        manager(tmp_path / "a").save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=lambda s: 0.25))
+    reference = jax.tree.map(np.asarray, state.params)
+
+    def negated_distance(s):  # a "loss" that falls as the state moves away: the direction is inverted
+        return -1.0 - sum(jnp.sum(jnp.abs(a - b)) for a, b in zip(jax.tree.leaves(s.params),
+                                                                   jax.tree.leaves(reference)))
+
+    with pytest.warns(UserWarning, match="Is the direction right"):
+        manager(tmp_path / "b").save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=negated_distance))
+
+
+def test_a_fallback_recovers_across_a_resume(tmp_path, run):
+    """A save where nothing meets the budget is lossless; after a restart and a restore, the next save whose
+    quality allows compression compresses again."""
+    state, _, val = run
+    grads = None
+    eval_fn = eval_loss(val)
+    reference = jax.tree.map(np.asarray, state.params)
+    harsh = {"on": True}
+
+    def quality(s):  # while harsh: any change of a parameter costs more than epsilon
+        if harsh["on"]:
+            return 1.0 + sum(float(jnp.sum(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(s.params),
+                                                                         jax.tree.leaves(reference)))
+        return eval_fn(s)
+
+    mngr = manager(tmp_path)
+    with pytest.warns(UserWarning, match="no quantization configuration meets"):
+        mngr.save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=quality))
+    mngr.wait_until_finished()
+    assert mngr.item_metadata(0)["quant"] is None
+    harsh["on"] = False
+    resumed = manager(tmp_path)  # a new process: restores step 0 (lossless), then saves
+    restored = resumed.restore(0, args=ij.InshrinkRestore(state))
+    resumed.save(1, args=ij.InshrinkSave(restored, grads=grads, eval_fn=quality))
+    resumed.wait_until_finished()
+    fig = resumed.item_metadata(1)
+    assert fig["search"]["mode"] == "recovered" and fig["quant"] is not None and fig["ratio"]["params"] > 4
 
 
 def test_embedding_bins_are_their_own_axis_only_when_there_are_embeddings():
