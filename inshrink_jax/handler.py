@@ -51,7 +51,6 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         # (root, item) -> (the state of its last committed save or restore, the result of a save in flight)
         self._states: dict[tuple[str, str], tuple[save.ItemState, concurrent.futures.Future | None]] = {}
         self._threads = max(1, min(4, os.cpu_count() or 1))
-        self.last_figures: records.Figures | None = None
 
     def _process(self) -> tuple[int, int, bool]:
         """(this process's writer index, number of writers, whether it is the primary host)."""
@@ -114,9 +113,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         # Runs once on the primary host after every process finished writing, before Orbax's rename.
         manifest = store.read_manifest(directory)
         base = manifest.base
-        record = store.finalize(directory, manifest.object, manifest.process_count,
-                                base=(base["object"], base["commit_crc32"]) if base else None)
-        self.last_figures = records.figures(manifest, [p["figures"] for p in record["processes"]])
+        store.finalize(directory, manifest.object, manifest.process_count,
+                       base=(base["object"], base["commit_crc32"]) if base else None)
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
         reader = store.Reader(directory)

@@ -66,7 +66,7 @@ def save_fine_tune(tmp_path, base, state):
     m, h = manager(str(tmp_path / "ft"), base=base)
     m.save(0, args=ij.InshrinkSave(state))
     m.wait_until_finished()
-    return m, h.last_figures
+    return m, m.item_metadata(0)
 
 
 def restored_base(root):
@@ -118,7 +118,7 @@ def test_fine_tune_residual_round_trip_keeps_the_fine_tune(tmp_path):
     assert commit["objects"][str(tmp_path / "base" / store.OBJECTS / "default" / "0.0")] == \
         reader.manifest.base["commit_crc32"]
     assert figures["kind"] == "keyframe" and figures["chain_depth"] == 0
-    assert figures["stored_bytes"]["params"] < h2.last_figures["stored_bytes"]["params"]
+    assert figures["stored_bytes"]["params"] < m2.item_metadata(0)["stored_bytes"]["params"]
     assert reader.manifest.base["directory"] == os.path.join(base_dir, "default")
     m.close(), m2.close()
 
@@ -138,7 +138,7 @@ def test_restore_is_what_the_search_scored(tmp_path):
     with ocp.CheckpointManager(str(tmp_path / "ft"), item_handlers=handler) as m:
         m.save(0, args=ij.InshrinkSave(state, eval_fn=eval_fn))
         m.wait_until_finished()
-    record = handler.last_figures["search"]
+        record = m.item_metadata(0)["search"]
     assert record["chosen"] != "lossless" and 0 < record["degradation"] <= 0.05
     got = float(eval_fn(restore(str(tmp_path / "ft"), 0, state)))
     assert (got - record["baseline"]) / record["baseline"] == pytest.approx(record["degradation"], rel=1e-6)
@@ -176,7 +176,7 @@ def test_chain_of_fine_tune_saves_with_retention(tmp_path, capsys):
         states[step] = fine_tuned(start, step)
         m.save(step, args=ij.InshrinkSave(states[step]))
         m.wait_until_finished()
-        depths.append(h.last_figures["chain_depth"])
+        depths.append(m.item_metadata(step)["chain_depth"])
     m.close()
     assert depths == [0, 1, 2, 3, 0, 1, 2]
     # Steps 5 and 6 are kept; their chain starts at step 4's keyframe.
