@@ -8,6 +8,8 @@ frozen dataclasses, so they are hashable and can be static arguments of jitted f
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 
 PRUNE_METRICS = ("magnitude", "sensitivity")
@@ -161,34 +163,58 @@ class CompressionConfig:
         return max(*sp.bins, *sp.embedding_bins, self.quant.bins, self.quant.embedding_bins)
 
     def __post_init__(self):
-        if not 0.0 < self.alpha < 1.0:
-            raise ValueError(f"CompressionConfig.alpha must be in (0, 1), got {self.alpha!r}")
-        if not 0.0 <= self.sigma <= 1.0:
-            raise ValueError(f"CompressionConfig.sigma must be in [0, 1], got {self.sigma!r}")
-        if self.epsilon < 0:
-            raise ValueError(f"CompressionConfig.epsilon must be >= 0, got {self.epsilon!r}")
-        if self.kmeans_iters < 0 or self.kmeans_restarts < 1:
-            raise ValueError("CompressionConfig.kmeans_iters must be >= 0 and kmeans_restarts >= 1")
-        if not isinstance(self.search_batch, int) or self.search_batch < 1:
-            raise ValueError(f"CompressionConfig.search_batch must be an int >= 1, got {self.search_batch!r}")
-        if self.proxy_budget < 0 or self.metric_switch_margin < 0:
-            raise ValueError("CompressionConfig.proxy_budget and metric_switch_margin must be >= 0")
-        if not isinstance(self.keyframe_every, int) or self.keyframe_every < 1:
-            raise ValueError(f"CompressionConfig.keyframe_every must be an int >= 1, got {self.keyframe_every!r}")
+        for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
+                                     ("sigma", 0.0, 1.0, True), ("kmeans_tol", 0.0, math.inf, True),
+                                     ("proxy_budget", 0.0, math.inf, True),
+                                     ("metric_switch_margin", 0.0, math.inf, True)):
+            _real(name, getattr(self, name), lo, hi, closed)
+        for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),
+                             ("keyframe_every", 1, None), ("search_batch", 1, None), ("moment_bins", 2, 127),
+                             ("seed", None, None)):
+            _integer(name, getattr(self, name), lo, hi)
+        for name in ("search", "higher_is_better"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"CompressionConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.protected_dtype not in PROTECTED_DTYPES:
             raise ValueError(
                 f"CompressionConfig.protected_dtype must be one of {PROTECTED_DTYPES}, got {self.protected_dtype!r}"
             )
         if self.optimizer not in POLICIES:
             raise ValueError(f"CompressionConfig.optimizer must be one of {POLICIES}, got {self.optimizer!r}")
-        if not isinstance(self.moment_bins, int) or not 2 <= self.moment_bins <= 127:
-            raise ValueError(f"CompressionConfig.moment_bins must be an int in [2, 127] (two signs share uint8 "
-                             f"codes), got {self.moment_bins!r}")
-        for rule in self.policy_rules:
-            if len(rule) != 2 or rule[1] not in POLICIES:
-                raise ValueError(f"policy_rules entries are (regex, one of {POLICIES}), got {rule!r}")
+        if not isinstance(self.quant, QuantConfig) or not isinstance(self.search_space, SearchSpace):
+            raise TypeError("CompressionConfig.quant must be a QuantConfig and search_space a SearchSpace")
+        _rules("policy_rules", self.policy_rules, POLICIES)
+        _rules("layer_type_rules", self.layer_type_rules, LAYER_TYPES)
+
+
+def _real(name: str, value, lo: float, hi: float, closed: bool) -> None:
+    """A CompressionConfig field that must be a finite (or +inf where hi is inf) real number in range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"CompressionConfig.{name} must be a real number, got {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"CompressionConfig.{name} is NaN; give a number")
+    ok = (lo <= value <= hi) if closed else (lo < value < hi)
+    if not ok or (math.isinf(value) and not math.isinf(hi)):
+        raise ValueError(f"CompressionConfig.{name} must be in {'[' if closed else '('}{lo}, {hi}"
+                         f"{']' if closed and not math.isinf(hi) else ')'}, got {value!r}")
+
+
+def _integer(name: str, value, lo: int | None, hi: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"CompressionConfig.{name} must be an int, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"CompressionConfig.{name} must be an int in [{lo}, {hi if hi is not None else 'inf'}"
+                         f"{']' if hi is not None else ')'}, got {value!r}")
+
+
+def _rules(name: str, rules, allowed: tuple) -> None:
+    """(regex, value) pairs: each a valid regex and an allowed value."""
+    if not isinstance(rules, tuple):
+        raise TypeError(f"CompressionConfig.{name} must be a tuple of (regex, value) pairs, got {rules!r}")
+    for rule in rules:
+        if not isinstance(rule, tuple) or len(rule) != 2 or rule[1] not in allowed:
+            raise ValueError(f"{name} entries are (regex, one of {allowed}), got {rule!r}")
+        try:
             re.compile(rule[0])
-        for rule in self.layer_type_rules:
-            if len(rule) != 2 or rule[1] not in LAYER_TYPES:
-                raise ValueError(f"layer_type_rules entries are (regex, one of {LAYER_TYPES}), got {rule!r}")
-            re.compile(rule[0])
+        except (re.error, TypeError) as e:
+            raise ValueError(f"CompressionConfig.{name}: {rule[0]!r} is not a regular expression ({e})") from None

@@ -18,6 +18,7 @@ LEAF_KINDS = ("scalar", "array", "prng_key", "dropped", "quantized")
 Part = Literal["params", "optimizer", "other"]
 PARTS = ("params", "optimizer", "other")
 CODES_FILE, DATA_FILE = "blob", "data"
+NUMPY_SCALAR = "numpy.generic"
 
 
 class RecordError(ValueError):
@@ -43,7 +44,8 @@ class Leaf:
       kind: "scalar" (a Python scalar, string or None, stored in `value`), "array" (lossless), "prng_key" (its key
         data, lossless), "dropped" (not stored, restored as zeros) or "quantized".
       shape, dtype, part, sharding: of array-like leaves (`sharding` as saved, for information).
-      value, type: of scalars.
+      value, type: of scalars (`type` is the Python type's name); `type` is NUMPY_SCALAR for a NumPy scalar
+        (restored as one).
       impl, data_shape: of PRNG keys (the key implementation's name, the key data's shape).
       method: of quantized leaves: "weights" (quantize.py) or "moments" (moments.py).
       layer_type: of quantized weights.
@@ -105,6 +107,7 @@ class Manifest:
     search: dict = dataclasses.field(default_factory=dict)
     base: dict | None = None
     sensitivity: str = ""
+    empty: list = dataclasses.field(default_factory=list)  # [[path, "dict" | "list"]] of empty containers
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -250,8 +253,22 @@ def path_entries(path) -> list:
     return out
 
 
-def unflatten_plain(entries: list[list], values: list) -> Any:
-    """Nested dicts (dict keys and attribute names) and lists (sequence indices) from leaf paths."""
+def empty_containers(tree) -> list:
+    """[[path, "dict" | "list"]] of the empty dicts, lists and tuples (an optax EmptyState) in `tree`: a pytree
+    flattens them away, so the manifest lists them for a restore without a target."""
+    def empty(x):
+        return isinstance(x, (dict, list, tuple)) and len(x) == 0
+
+    return [[path_entries(p), "list" if isinstance(x, (list, tuple)) else "dict"]
+            for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or empty(x))[0]
+            if empty(x)]
+
+
+def unflatten_plain(entries: list[list], values: list, empty: list = ()) -> Any:
+    """Nested dicts (dict keys and attribute names) and lists (sequence indices) from leaf paths, with the
+    empty containers `empty` (`empty_containers`) in their places."""
+    entries = list(entries) + [p for p, _ in empty]
+    values = list(values) + [[] if kind == "list" else {} for _, kind in empty]
     if not entries:
         return None
     if entries[0] == []:

@@ -26,7 +26,7 @@ def restore(reader: store.Reader, target: Any, threads: int) -> Any:
         pairs = [(m, None) for m in reader.manifest.leaves]
         decode_codes(reader, pairs, threads)
         return records.unflatten_plain([m.path for m in reader.manifest.leaves],
-                                       [restore_leaf(reader, m, None) for m, _ in pairs])
+                                       [restore_leaf(reader, m, None) for m, _ in pairs], reader.manifest.empty)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
     pairs = match_target(reader, flat)
     decode_codes(reader, pairs, threads)
@@ -44,19 +44,7 @@ def match_target(reader: store.Reader, flat: list) -> list[tuple[records.Leaf, A
                          f"In the target but not saved: {missing[:20]}; saved but not in the target: "
                          f"{extra[:20]}. Pass a target with the saved structure, or InshrinkRestore() to get "
                          "the saved tree as nested dicts.")
-    problems = []
-    for k, (_, t) in zip(want, flat):
-        m = reader.leaves[k]
-        if m.shape is not None and hasattr(t, "shape") and tuple(t.shape) != tuple(m.shape):
-            problems.append(f"{k}: saved shape {tuple(m.shape)}, target {tuple(t.shape)}")
-        elif m.kind in ("array", "quantized", "dropped") and hasattr(t, "dtype") and \
-                jnp.dtype(t.dtype) != jnp.dtype(m.dtype):
-            problems.append(f"{k}: saved dtype {m.dtype}, target {jnp.dtype(t.dtype).name}")
-        elif m.shape is not None and m.kind != "prng_key":
-            try:
-                target_sharding(t).addressable_devices_indices_map(tuple(m.shape))
-            except ValueError as e:
-                problems.append(f"{k}: the target sharding does not fit shape {tuple(m.shape)} ({e})")
+    problems = [f"{k}: {p}" for k, (_, t) in zip(want, flat) if (p := _mismatch(reader.leaves[k], t))]
     if problems:
         raise ValueError(f"{store.describe(reader.directory)}: the restore target does not match the saved "
                          f"leaves: " + "; ".join(problems[:20]))
@@ -68,6 +56,37 @@ def overlap(a: list[list[int]], b: list[list[int]]):
     lo = [max(x[0], y[0]) for x, y in zip(a, b)]
     hi = [min(x[1], y[1]) for x, y in zip(a, b)]
     return None if any(h <= l for l, h in zip(lo, hi)) else (lo, hi)
+
+
+def _mismatch(m: records.Leaf, t) -> str | None:
+    """What does not fit between a saved leaf and its restore target, or None."""
+    if m.kind == "scalar":
+        return f"saved a Python {m.type}, the target is an array of shape {tuple(t.shape)}" \
+            if hasattr(t, "shape") else None
+    if t is None:
+        return None
+    shape = tuple(getattr(t, "shape", ()))
+    if m.kind == "prng_key":
+        if jnp.issubdtype(t.dtype, jax.dtypes.prng_key) if hasattr(t, "dtype") else False:
+            saved = jax.eval_shape(lambda: jax.random.key(0, impl=m.impl)).dtype
+            if t.dtype != saved or shape != tuple(m.shape):
+                return f"saved a {m.impl} key array of shape {tuple(m.shape)}, target {t.dtype} {shape}"
+            return None
+        if shape != tuple(m.data_shape) or jnp.dtype(getattr(t, "dtype", "float32")) != jnp.uint32:
+            return f"saved a {m.impl} key array of shape {tuple(m.shape)}, target {shape}"
+        return None  # a target for the key data (what ocp.utils.to_shape_dtype_struct makes of a key): a key
+    if shape != tuple(m.shape):
+        return f"saved shape {tuple(m.shape)}, target {shape}"
+    if hasattr(t, "dtype") and jnp.dtype(t.dtype) != jnp.dtype(m.dtype):
+        return f"saved dtype {m.dtype}, target {jnp.dtype(t.dtype).name}"
+    if jnp.dtype(m.dtype).itemsize == 8 and not jax.config.jax_enable_x64 and not _is_numpy(m, t):
+        return (f"saved as {m.dtype}, which a jax array holds only with jax_enable_x64; enable it, or restore "
+                "into a NumPy target (np.zeros(shape, dtype)) to get the values exactly")
+    try:
+        target_sharding(t).addressable_devices_indices_map(tuple(m.shape))
+    except ValueError as e:
+        return f"the target sharding does not fit shape {tuple(m.shape)} ({e})"
+    return None
 
 
 def target_sharding(target) -> jax.sharding.Sharding:
@@ -122,7 +141,11 @@ def _make_array(shape, sharding, build: Callable, what: str) -> jax.Array:
 
 
 def _is_numpy(meta: records.Leaf, target) -> bool:
-    return isinstance(target, (np.ndarray, np.generic)) or (target is None and meta.sharding == "numpy")
+    """Whether a leaf restores as NumPy: a NumPy target, or a leaf saved from NumPy restored without a target or
+    into a target without a sharding (what `ocp.utils.to_shape_dtype_struct` makes of a NumPy array)."""
+    if isinstance(target, (np.ndarray, np.generic)):
+        return True
+    return meta.sharding == "numpy" and getattr(target, "sharding", None) is None
 
 
 def restore_leaf(reader: store.Reader, meta: records.Leaf, target):
@@ -155,7 +178,8 @@ def _array(reader, meta: records.Leaf, target, what: str):
     """A lossless leaf, bit-exact."""
     shape = tuple(meta.shape)
     if _is_numpy(meta, target):
-        return _host_box(reader, meta, [[0, n] for n in shape], what)
+        values = _host_box(reader, meta, [[0, n] for n in shape], what)
+        return values[()] if meta.type == records.NUMPY_SCALAR else values
     return _make_array(shape, target_sharding(target),
                        lambda box, dev: jax.device_put(_host_box(reader, meta, box, what), dev), what)
 

@@ -78,6 +78,7 @@ class Plan:
       first: for each moment, whether it is a first moment (it then takes its weight's pruning).
       grads: for each weight, its gradient EMA or None.
       base_of: weight index -> the base checkpoint's leaf it is stored against.
+      empty: the state's empty containers (`records.empty_containers`).
     """
 
     leaves: list
@@ -89,6 +90,7 @@ class Plan:
     first: list[bool]
     grads: list
     base_of: dict[int, str]
+    empty: list
 
 
 def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
@@ -104,7 +106,7 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
         i: b for i in weights if (b := base.match(recs[i].path, recs[i].shape)) is not None}
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
-                [_mirrored(flat[i][0], by_path) for i in weights], base_of)
+                [_mirrored(flat[i][0], by_path) for i in weights], base_of, records.empty_containers(state))
 
 
 def _tails(path) -> list[str]:
@@ -138,14 +140,15 @@ def leaf_record(path, x, pol: policy.LeafPolicy, cfg: CompressionConfig) -> reco
     """The manifest entry of one leaf under its policy (quantized entries without bins / centres yet)."""
     keystr = jax.tree_util.keystr(path)
     entries = records.path_entries(path)
-    if x is None or isinstance(x, (bool, int, float, str)):
+    if x is None or isinstance(x, (bool, int, float, str)) and not isinstance(x, np.generic):  # np.float64 is a float
         if isinstance(x, int) and not isinstance(x, bool) and not -2**63 <= x < 2**63:
             raise TypeError(f"leaf {keystr}: integer {x} does not fit in 64 bits")
         return records.Leaf(entries, keystr, "scalar", value=x, type=type(x).__name__)
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
         raise TypeError(f"leaf {keystr} has unsupported type {type(x).__name__}; inshrink_jax stores "
                         "jax/NumPy arrays, Python scalars, strings and None")
-    common = dict(shape=list(x.shape), sharding=str(getattr(x, "sharding", "numpy")))
+    common = dict(shape=list(x.shape), sharding=str(getattr(x, "sharding", "numpy")),
+                  type=records.NUMPY_SCALAR if isinstance(x, np.generic) else None)
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         if pol.policy == "drop":
             raise ValueError(f"leaf {keystr} is a PRNG key, which cannot be dropped (zeros are not a fresh key). "
@@ -224,6 +227,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, previous
     shards += _lossless_shards(p.leaves, recs, primary)
     manifest = {"config": config_json(cfg), "quant": None if quant is None else dataclasses.asdict(quant),
                 "search": search_record, "base": base_info if any(r.base_leaf for r in recs) else None,
+                "empty": p.empty,
                 "sensitivity": (f"gradient EMA on {sum(g is not None for g in p.grads)} of {len(p.grads)} "
                                 "quantized leaves" if any(g is not None for g in p.grads)
                                 else "magnitude (no grads given)")}

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from etils import epath
 
-from inshrink_jax import codec, delta, records
+from inshrink_jax import codec, delta, quantize, records
 from inshrink_jax.records import CODES_FILE, DATA_FILE
 
 FORMAT = "inshrink_jax"
@@ -555,5 +555,9 @@ class Reader:
         for obj, p, seg in reversed(chain):
             stream = obj.array(leaf, p, seg, "codes", np.uint8, shape)
             codes = stream if codes is None else delta.decode(codes, stream.reshape(-1), seg.modulus)
+        top = quantize.protected_code(self.leaves[leaf].bins)
+        if codes.size and int(codes.max()) > top:  # a code past the protected one would decode to a wrong 0.0
+            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: shard {box} holds code "
+                                         f"{int(codes.max())}, above the {top} of its {self.leaves[leaf].bins} levels")
         self.codes_cache[key] = (codes, len(chain) - 1)
         return self.codes_cache[key]

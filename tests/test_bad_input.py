@@ -106,3 +106,90 @@ def test_a_shard_too_large_to_address_is_refused_before_writing(tmp_path, monkey
     with pytest.raises(ValueError, match=r"leaf \['params'\]\['w'\]: a shard of 4,096 elements"):
         mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 64))}}))
     assert mngr.all_steps() == []
+
+
+def test_64_bit_numpy_leaves_and_numpy_scalars_come_back_exactly(tmp_path):
+    """With the documented recipe (`ocp.utils.to_shape_dtype_struct`), a concrete target and no target: NumPy
+    int64 / float64 values are not narrowed, NumPy scalars stay NumPy scalars, a typed PRNG key stays a key."""
+    tree = {"a": np.array([2**33 + 5]), "b": np.int64(2**33), "c": np.float64(np.pi), "f": np.float32(1.5),
+            "low": np.int64(-2**63), "key": jax.random.key(1)}
+    _, mngr = save_restore(tmp_path, tree)
+    for target in (jax.tree.map(ocp.utils.to_shape_dtype_struct, tree), tree, None):
+        r = mngr.restore(0, args=ij.InshrinkRestore(target))
+        for k in ("a", "b", "c", "f", "low"):
+            assert type(r[k]) is type(tree[k]) and r[k].dtype == tree[k].dtype, (k, target)
+            np.testing.assert_array_equal(r[k], tree[k])
+        np.testing.assert_array_equal(jax.random.key_data(r["key"]), jax.random.key_data(tree["key"]))
+
+
+@pytest.mark.parametrize("saved, target, message", [
+    (1.5, jax.ShapeDtypeStruct((3,), jnp.float32), "saved a Python float, the target is an array"),
+    (jnp.ones(5), 2.0, r"saved shape \(5,\), target \(\)"),
+    (jax.random.key(0), jax.ShapeDtypeStruct((), jax.random.key(0, impl="rbg").dtype), "threefry2x32 key"),
+])
+def test_a_target_that_does_not_fit_is_an_error(tmp_path, saved, target, message):
+    _, mngr = save_restore(tmp_path, {"x": saved})
+    with pytest.raises(ValueError, match=message):
+        mngr.restore(0, args=ij.InshrinkRestore({"x": target}))
+
+
+def test_empty_containers_survive_a_restore_without_target(tmp_path):
+    import optax
+
+    tree = {"a": {}, "b": [], "d": (), "opt": optax.sgd(0.1).init({"w": jnp.ones(3)}), "x": 1}
+    r, _ = save_restore(tmp_path / "a", tree)
+    assert r == {"a": {}, "b": [], "d": [], "opt": [[], []], "x": 1}  # sgd: a chain of two EmptyState()
+    r, _ = save_restore(tmp_path / "b", {})
+    assert r == {}
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(epsilon="0.1"), TypeError, "epsilon must be a real number"),
+    (dict(epsilon=float("nan")), ValueError, "epsilon is NaN"),
+    (dict(proxy_budget=float("nan")), ValueError, "proxy_budget is NaN"),
+    (dict(min_compress_size=-5), ValueError, "min_compress_size must be an int in"),
+    (dict(policy_rules=(("(", "drop"),)), ValueError, r"policy_rules: '\(' is not a regular expression"),
+    (dict(keyframe_every=2.0), TypeError, "keyframe_every must be an int"),
+    (dict(search=1), TypeError, "search must be a bool"),
+])
+def test_bad_configuration_values_name_the_field(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ij.CompressionConfig(**kwargs)
+
+
+def test_codes_above_the_levels_of_a_leaf_are_an_error(tmp_path):
+    """A code stream whose checksum is valid but holds codes beyond K + 1 (a crafted file, or an encoder bug)
+    is refused by restore and by verify, never decoded to 0."""
+    from inshrink_jax import cli, codec, store
+
+    tree = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)), jnp.float32)}
+    save_restore(tmp_path, tree)
+    reader = store.Reader(tmp_path / "0" / "default")
+    (p, shard), = reader.shards["['w']"]
+    codes = reader.codes("['w']", shard.box)[0].copy()
+    codes[0, 0] = reader.leaves["['w']"].bins + 2
+    # re-sign the crafted stream and every record above it, so only the range check can catch it
+    blob = codec.compress(codes, codec.ZSTD)
+    obj = reader.own.path
+    data = (obj / "blob.0").read_bytes()
+    seg = shard.segments["codes"]
+    new = data[:seg.offset] + blob + data[seg.offset + seg.length:]
+    (obj / "blob.0").write_bytes(new)
+    index, _ = store.read_json(obj / "index.0.json", "index", obj)
+    entry = index["entries"][[e["leaf"] for e in index["entries"]].index("['w']")]
+    entry["segments"]["codes"].update(length=len(blob), crc32=store.crc32(blob), codec=codec.ZSTD)
+    for other in index["entries"]:
+        for s in other["segments"].values():
+            if s["file"] == "blob" and s["offset"] > seg.offset:
+                s["offset"] += len(blob) - seg.length
+    index["blob_bytes"] = len(new)
+    raw = store.write_json(obj / "index.0.json", index)
+    commit, _ = store.read_json(obj / "commit.json", "commit", obj)
+    commit["processes"][0].update(index_crc32=store.crc32(raw), blob_bytes=len(new))
+    raw = store.write_json(obj / "commit.json", commit)
+    step_commit, _ = store.read_json(tmp_path / "0" / "default" / "commit.json", "commit", obj)
+    step_commit["objects"][step_commit["object"]] = store.crc32(raw)
+    store.write_json(tmp_path / "0" / "default" / "commit.json", step_commit)
+    with pytest.raises(ij.CheckpointCorruptError, match="holds code .*above"):
+        ij.InshrinkCheckpointHandler().restore(tmp_path / "0" / "default", ij.InshrinkRestore())
+    assert cli.main(["verify", str(tmp_path)]) == 1

@@ -164,3 +164,15 @@ def test_step_names_of_any_manager_options(tmp_path, capsys, options):
     assert cli.main(["export", str(tmp_path), "--step", "12", str(out)]) == 0
     restored = ocp.StandardCheckpointer().restore(out)
     assert int(restored["step"]) == 12
+
+
+def test_verify_and_inspect_of_a_root_whose_steps_were_all_deleted(tmp_path, capsys):
+    root = tmp_path / "empty"
+    mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False)))
+    mngr.save(0, args=ij.InshrinkSave(state_at(0)))
+    mngr.wait_until_finished()
+    mngr.delete(0)
+    assert cli.main(["verify", str(root)]) == 0 and "no steps" in capsys.readouterr().out
+    assert cli.main(["inspect", str(root)]) == 0
+    assert cli.main(["gc", str(root), "--apply"]) == 0
+    assert not any((root / store.OBJECTS / "default").iterdir())
