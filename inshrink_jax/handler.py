@@ -111,7 +111,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def finalize(self, directory) -> None:
         # Runs once on the primary host after every process finished writing, before Orbax's rename.
-        manifest = store.read_manifest(directory)
+        manifest, _ = store.read_manifest(directory)
         base = manifest.base
         store.finalize(directory, manifest.object, manifest.process_count,
                        base=(base["object"], base["commit_crc32"]) if base else None)

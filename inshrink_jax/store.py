@@ -147,9 +147,10 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
     return body, raw
 
 
-def read_manifest(directory) -> records.Manifest:
-    """The checked manifest of a step item; a newer format, a foreign item or a bad record is a named error."""
-    body, _ = read_json(epath.Path(directory) / MANIFEST, "manifest", directory)
+def read_manifest(directory) -> tuple[records.Manifest, int]:
+    """(the checked manifest of a step item, the CRC32 of its file); a newer format, a foreign item, a bad record
+    or a manifest whose object belongs to another step is a named error."""
+    body, raw = read_json(epath.Path(directory) / MANIFEST, "manifest", directory)
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{describe(directory)}: not an inshrink_jax checkpoint item")
     version = body.get("version")
@@ -166,9 +167,15 @@ def read_manifest(directory) -> records.Manifest:
             "checkpoint, which kept only weights that changed level: the fine-tune was lost); this release "
             "does not read it. Save the fine-tuned weights again against the base.")
     try:
-        return records.Manifest.from_json(body)
+        manifest = records.Manifest.from_json(body)
     except (records.RecordError, TypeError) as e:
         raise CheckpointCorruptError(f"{describe(directory)}: manifest: {e}") from None
+    step = locate(directory)[2]
+    if manifest.object.rsplit(".", 1)[0] != step:
+        raise CheckpointCorruptError(f"{describe(directory)}: the manifest is of step "
+                                     f"{manifest.object.rsplit('.', 1)[0]} (object {manifest.object}), not of step "
+                                     f"{step}: a file copied from another step")
+    return manifest, crc32(raw)
 
 
 # ------------------------------------------------------------------------------------------------- objects
@@ -296,8 +303,9 @@ def finalize(directory, object_id: str, process_count: int, base: tuple[str, int
                                          "changed while this step was saved against it; the save did not complete")
         outside[ref] = expected
     raw = write_json(path / COMMIT, record)
-    write_json(epath.Path(directory) / COMMIT,
-               {"object": object_id, "objects": {object_id: crc32(raw), **closure, **outside}})
+    _, manifest_crc = read_manifest(directory)
+    write_json(epath.Path(directory) / COMMIT, {"object": object_id, "manifest_crc32": manifest_crc,
+                                                "objects": {object_id: crc32(raw), **closure, **outside}})
     try:  # the save is complete: collecting garbage is housekeeping that must not fail it
         collect_garbage(root, item, current=directory)
     except OSError as e:
@@ -475,12 +483,14 @@ class Reader:
     def __init__(self, directory):
         self.directory = epath.Path(directory)
         self.root, self.item, self.step = locate(self.directory)
-        self.manifest = read_manifest(self.directory)
+        self.manifest, manifest_crc = read_manifest(self.directory)
         self.commit, _ = read_json(self.directory / COMMIT, "commit record", self.directory)
         if not isinstance(self.commit, dict) or not isinstance(self.commit.get("objects"), dict) or \
-                self.commit.get("object") != self.manifest.object:
-            raise CheckpointCorruptError(f"{describe(self.directory)}: the commit record does not name the "
-                                         f"manifest's object {self.manifest.object} (a file of another step?)")
+                self.commit.get("object") != self.manifest.object or \
+                self.commit.get("manifest_crc32", manifest_crc) != manifest_crc:
+            raise CheckpointCorruptError(f"{describe(self.directory)}: the commit record and the manifest do not "
+                                         f"belong together (object {self.manifest.object}): a file of another "
+                                         "save was put in this step")
         self.object_id = self.commit["object"]
         self._base: Reader | None = None
         self._objects: dict[str, _Object] = {}

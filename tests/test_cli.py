@@ -176,3 +176,16 @@ def test_verify_and_inspect_of_a_root_whose_steps_were_all_deleted(tmp_path, cap
     assert cli.main(["inspect", str(root)]) == 0
     assert cli.main(["gc", str(root), "--apply"]) == 0
     assert not any((root / store.OBJECTS / "default").iterdir())
+
+
+@pytest.mark.parametrize("files", [("manifest.json",), ("commit.json",), ("manifest.json", "commit.json")])
+def test_files_swapped_between_steps_are_refused(root, tmp_path, files):
+    """A step's records replaced by another step's (every CRC valid: a partial rsync, a mixed-up backup) are
+    refused by restore and by verify, never restored as the other step's values."""
+    dst = copy(root, tmp_path)
+    for name in files:
+        shutil.copyfile(dst / "2" / "default" / name, dst / "1" / "default" / name)
+    with pytest.raises(ij.CheckpointCorruptError, match="step 1"):
+        ij.InshrinkCheckpointHandler().restore(dst / "1" / "default", ij.InshrinkRestore())
+    assert cli.main(["verify", str(dst), "--step", "1"]) == 1
+    assert cli.main(["verify", str(dst), "--step", "2"]) == 0

@@ -26,7 +26,7 @@ def restored_as_numpy(directory) -> dict:
 def test_every_readable_version_restores_exactly(tmp_path, version):
     root = tmp_path / "ckpt"
     shutil.copytree(os.path.join(DATA, f"format_v{version}", "ckpt"), root)
-    assert store.read_manifest(root / "1" / "default").version == version
+    assert store.read_manifest(root / "1" / "default")[0].version == version
     expected = np.load(os.path.join(DATA, f"format_v{version}", "expected.npz"))
     for step in (0, 1):
         got = restored_as_numpy(root / str(step) / "default")
