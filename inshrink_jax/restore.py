@@ -60,9 +60,9 @@ def overlap(a: list[list[int]], b: list[list[int]]):
 
 def _mismatch(m: records.Leaf, t) -> str | None:
     """What does not fit between a saved leaf and its restore target, or None."""
-    if m.kind == "scalar":
+    if m.kind == "scalar":  # restored as saved; a 0-d target stands for it (a step counter)
         return f"saved a Python {m.type}, the target is an array of shape {tuple(t.shape)}" \
-            if hasattr(t, "shape") else None
+            if tuple(getattr(t, "shape", ())) != () else None
     if t is None:
         return None
     shape = tuple(getattr(t, "shape", ()))

@@ -79,6 +79,7 @@ class Plan:
       grads: for each weight, its gradient EMA or None.
       base_of: weight index -> the base checkpoint's leaf it is stored against.
       empty: the state's empty containers (`records.empty_containers`).
+      grads_given: whether the save was given gradients at all.
     """
 
     leaves: list
@@ -91,6 +92,7 @@ class Plan:
     grads: list
     base_of: dict[int, str]
     empty: list
+    grads_given: bool
 
 
 def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
@@ -106,7 +108,8 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
         i: b for i in weights if (b := base.match(recs[i].path, recs[i].shape)) is not None}
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
-                [_mirrored(flat[i][0], by_path) for i in weights], base_of, records.empty_containers(state))
+                [_mirrored(flat[i][0], by_path) for i in weights], base_of, records.empty_containers(state),
+                grads is not None)
 
 
 def _tails(path) -> list[str]:
@@ -180,7 +183,6 @@ class Dispatched:
 
     Attributes:
       records: the manifest entries (quantized ones without bins / centres: those come off the device).
-      quant: the configuration used (None: every weight stored losslessly at this save).
       quantized: indices of the quantized leaves, in the order of `devs`.
       devs: the encoder outputs on the device(s).
       shards: (leaf index, box, payload) of this process's shards: a `DeviceCodes` shard tuple or a host array.
@@ -189,7 +191,6 @@ class Dispatched:
     """
 
     records: list[records.Leaf]
-    quant: QuantConfig | None
     quantized: list[int]
     devs: list
     shards: list[tuple[int, list, Any]]
@@ -229,9 +230,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, previous
                 "search": search_record, "base": base_info if any(r.base_leaf for r in recs) else None,
                 "empty": p.empty,
                 "sensitivity": (f"gradient EMA on {sum(g is not None for g in p.grads)} of {len(p.grads)} "
-                                "quantized leaves" if any(g is not None for g in p.grads)
-                                else "magnitude (no grads given)")}
-    return Dispatched(recs, quant, quantized, devs, shards, manifest, started,
+                                "quantized leaves" if p.grads_given else "magnitude (no grads given)")}
+    return Dispatched(recs, quantized, devs, shards, manifest, started,
                       time.perf_counter() - started), choice
 
 
