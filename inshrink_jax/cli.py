@@ -181,7 +181,8 @@ def _verify_step(directory: str) -> list[str]:
             problems.append(f"{store.describe(directory)}: leaf {meta.keystr}: no stored shard")
         for p, entry in shards:
             try:
-                _verify_shard(reader, meta, p, entry)
+                with store.reading(directory, f"leaf {meta.keystr}"):
+                    _verify_shard(reader, meta, p, entry)
             except store.CheckpointCorruptError as e:
                 problems.append(str(e))
     return problems

@@ -19,6 +19,9 @@ Part = Literal["params", "optimizer", "other"]
 PARTS = ("params", "optimizer", "other")
 CODES_FILE, DATA_FILE = "blob", "data"
 NUMPY_SCALAR = "numpy.generic"
+# The dtypes a checkpoint may name (never "O" or a structured dtype: a dtype is read from an untrusted file).
+DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "bfloat16",
+          "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
 
 
 class RecordError(ValueError):
@@ -79,13 +82,15 @@ class Leaf:
     @classmethod
     def from_json(cls, d: Any) -> "Leaf":
         _check(isinstance(d, dict) and d.get("kind") in LEAF_KINDS, f"a leaf entry has no valid kind: {str(d)[:80]}")
-        _check(isinstance(d.get("keystr"), str) and isinstance(d.get("path"), list), "a leaf entry has no key path")
+        _check(isinstance(d.get("keystr"), str) and isinstance(d.get("path"), list) and all(
+            _is_path_entry(e) for e in d["path"]), f"a leaf entry has no valid key path: {str(d)[:80]}")
         known = {f.name for f in dataclasses.fields(cls)}
         leaf = cls(**{k: v for k, v in d.items() if k in known})
         if leaf.kind != "scalar":
             _check(isinstance(leaf.shape, list) and all(isinstance(n, int) and n >= 0 for n in leaf.shape),
                    f"leaf {leaf.keystr}: invalid shape {leaf.shape!r}")
-            _check(isinstance(leaf.dtype, str), f"leaf {leaf.keystr}: no dtype")
+            _check(leaf.dtype in DTYPES, f"leaf {leaf.keystr}: dtype {str(leaf.dtype)[:40]!r} is not one a "
+                                          "checkpoint may hold")
         if leaf.kind == "quantized":
             _check(isinstance(leaf.bins, int) and isinstance(leaf.centres, list) and len(leaf.centres) == leaf.bins,
                    f"leaf {leaf.keystr}: invalid bins / centres")
@@ -123,6 +128,12 @@ class Manifest:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in d.items() if k in known and (v is not None or k in ("quant", "base"))}
         fields["leaves"] = [Leaf.from_json(m) for m in d["leaves"]]
+        base = fields.get("base")
+        _check(base is None or (isinstance(base, dict) and isinstance(base.get("object"), str)
+                                and isinstance(base.get("directory"), str)), "the manifest's base is not valid")
+        _check(isinstance(fields.get("empty", []), list) and all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and e[1] in ("dict", "list")
+            for e in fields.get("empty", [])), "the manifest's empty containers are not valid")
         return cls(**fields)
 
 
@@ -158,6 +169,10 @@ class Segment:
         for name in ("offset", "length", "crc32"):
             _check(isinstance(d.get(name), int) and d[name] >= 0, f"a segment has no valid {name!r}")
         _check(d["file"] in (CODES_FILE, DATA_FILE) and isinstance(d.get("codec"), str), "a segment's file or codec")
+        _check(d.get("dtype") is None or d["dtype"] in DTYPES, f"a segment's dtype {str(d.get('dtype'))[:40]!r}")
+        _check(all(d.get(k) is None or (isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] >= 0)
+                   for k in ("count", "modulus")), "a segment's count or modulus")
+        _check(d.get("base") is None or isinstance(d["base"], str), "a segment's base")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -180,6 +195,12 @@ class Shard:
         _check(isinstance(box, list) and all(_is_range(b) for b in box), f"shard of {d['leaf']}: invalid box")
         _check(isinstance(d.get("segments"), dict), f"shard of {d['leaf']}: no segments")
         return cls(d["leaf"], box, {k: Segment.from_json(s) for k, s in d["segments"].items()})
+
+
+def _is_path_entry(e) -> bool:
+    return (isinstance(e, list) and len(e) == 2 and e[0] in ("d", "a", "s")
+            and (isinstance(e[1], str) or (isinstance(e[1], int) and not isinstance(e[1], bool)))
+            and (e[0] != "s" or (isinstance(e[1], int) and e[1] >= 0)))
 
 
 def _is_range(b) -> bool:

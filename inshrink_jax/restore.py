@@ -25,8 +25,9 @@ def restore(reader: store.Reader, target: Any, threads: int) -> Any:
     if target is None:
         pairs = [(m, None) for m in reader.manifest.leaves]
         decode_codes(reader, pairs, threads)
-        return records.unflatten_plain([m.path for m in reader.manifest.leaves],
-                                       [restore_leaf(reader, m, None) for m, _ in pairs], reader.manifest.empty)
+        values = [restore_leaf(reader, m, None) for m, _ in pairs]
+        with store.reading(reader.directory, "the tree of key paths"):
+            return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
     pairs = match_target(reader, flat)
     decode_codes(reader, pairs, threads)
@@ -58,6 +59,9 @@ def overlap(a: list[list[int]], b: list[list[int]]):
     return None if any(h <= l for l, h in zip(lo, hi)) else (lo, hi)
 
 
+_X64_DTYPES = ("int64", "uint64", "float64", "complex128")  # narrowed by jax without jax_enable_x64
+
+
 def _mismatch(m: records.Leaf, t) -> str | None:
     """What does not fit between a saved leaf and its restore target, or None."""
     if m.kind == "scalar":  # restored as saved; a 0-d target stands for it (a step counter)
@@ -79,7 +83,7 @@ def _mismatch(m: records.Leaf, t) -> str | None:
         return f"saved shape {tuple(m.shape)}, target {shape}"
     if hasattr(t, "dtype") and jnp.dtype(t.dtype) != jnp.dtype(m.dtype):
         return f"saved dtype {m.dtype}, target {jnp.dtype(t.dtype).name}"
-    if jnp.dtype(m.dtype).itemsize == 8 and not jax.config.jax_enable_x64 and not _is_numpy(m, t):
+    if m.dtype in _X64_DTYPES and not jax.config.jax_enable_x64 and not _is_numpy(m, t):
         return (f"saved as {m.dtype}, which a jax array holds only with jax_enable_x64; enable it, or restore "
                 "into a NumPy target (np.zeros(shape, dtype)) to get the values exactly")
     try:
@@ -153,7 +157,8 @@ def restore_leaf(reader: store.Reader, meta: records.Leaf, target):
     what = f"{store.describe(reader.directory)}: leaf {meta.keystr}"
     if meta.kind == "scalar":
         return meta.value
-    return _RESTORERS[meta.kind](reader, meta, target, what)
+    with store.reading(reader.directory, f"leaf {meta.keystr}"):
+        return _RESTORERS[meta.kind](reader, meta, target, what)
 
 
 def _dropped(reader, meta: records.Leaf, target, what: str):

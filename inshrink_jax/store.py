@@ -29,6 +29,7 @@ by the manifest. All I/O goes through `etils.epath`, so any root Orbax accepts i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
@@ -56,6 +57,22 @@ _OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint file is missing, truncated, does not match its checksum, or does not parse."""
+
+
+@contextlib.contextmanager
+def reading(directory, what: str = ""):
+    """Turn any failure while reading a checkpoint's files into a `CheckpointCorruptError` that names the step,
+    item and `what` (a leaf, a file): a crafted or damaged record that passes its checksum must not surface as a
+    bare KeyError or TypeError."""
+    try:
+        yield
+    except CheckpointCorruptError:
+        raise
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError, RecursionError, OverflowError,
+            MemoryError, UnicodeError) as e:
+        where = f": {what}" if what else ""
+        raise CheckpointCorruptError(f"{describe(directory)}{where}: a record or stream does not parse "
+                                     f"({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _base(name: str) -> str:
@@ -336,10 +353,11 @@ def referenced_objects(root, item: str, current=None) -> tuple[set[str], set[str
             if (d / MANIFEST).exists():
                 return None  # a step we cannot read: keep everything rather than guess
             continue
-        if not isinstance(commit, dict) or not isinstance(commit.get("objects"), dict):
-            return None
+        if not isinstance(commit, dict) or not isinstance(commit.get("objects"), dict) or \
+                not isinstance(commit.get("object"), str):
+            return None  # a record we cannot read: keep everything rather than guess
         refs.update(commit["objects"])
-        own.add(commit.get("object"))
+        own.add(commit["object"])
     return refs, own, in_flight
 
 
@@ -482,6 +500,10 @@ class Reader:
 
     def __init__(self, directory):
         self.directory = epath.Path(directory)
+        with reading(self.directory):
+            self._open()
+
+    def _open(self) -> None:
         self.root, self.item, self.step = locate(self.directory)
         self.manifest, manifest_crc = read_manifest(self.directory)
         self.commit, _ = read_json(self.directory / COMMIT, "commit record", self.directory)
@@ -502,6 +524,10 @@ class Reader:
         self.codes_cache: dict[tuple, tuple[np.ndarray, int]] = {}  # (leaf, box) -> (codes, depth)
 
     def object(self, object_id: str) -> _Object:
+        with reading(self.directory, f"object {object_id!r}"):
+            return self._object(object_id)
+
+    def _object(self, object_id: str) -> _Object:
         if object_id not in self._objects:
             if object_id not in self.commit["objects"]:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: object {object_id} is used but not "
@@ -516,7 +542,8 @@ class Reader:
 
     def array(self, leaf: str, p: int, seg: records.Segment, name: str, dtype, shape) -> np.ndarray:
         """A checked, decoded segment of this step's own object (`_Object.array`)."""
-        return self.own.array(leaf, p, seg, name, dtype, shape)
+        with reading(self.directory, f"leaf {leaf}"):
+            return self.own.array(leaf, p, seg, name, dtype, shape)
 
     def base(self) -> "Reader | None":
         """The base checkpoint this step's residual leaves are stored against (None if it has none), checked to
@@ -524,6 +551,10 @@ class Reader:
         info = self.manifest.base
         if info is None:
             return None
+        with reading(self.directory, "base checkpoint"):
+            return self._open_base(info)
+
+    def _open_base(self, info: dict) -> "Reader":
         if self._base is None:
             self.object(info["object"])  # there, and the very object the step was saved against
             try:
@@ -543,6 +574,10 @@ class Reader:
         """(uint8 codes, chain depth) of one shard of this step, walking its delta chain back to the keyframe.
 
         Only the step's own result is cached (a shard may overlap several target boxes), not the chain's."""
+        with reading(self.directory, f"leaf {leaf}"):
+            return self._codes(leaf, box)
+
+    def _codes(self, leaf: str, box) -> tuple[np.ndarray, int]:
         key = (leaf, box_key(box))
         if key in self.codes_cache:
             return self.codes_cache[key]
