@@ -96,7 +96,7 @@ def _select(steps: dict[int, str], step: int | None, root: str) -> dict[int, str
 # ------------------------------------------------------------------------------------------------- inspect
 def _summary(directory: str) -> dict:
     reader = store.Reader(directory)
-    figs = records.figures(reader.manifest, [p["figures"] for p in reader.own.commit["processes"]])
+    figs = reader.figures()
     leaves = [{k: v for k, v in m.to_json().items() if k in ("keystr", "kind", "part", "shape", "dtype", "method",
                                                             "bins", "layer_type", "base_leaf")}
               for m in reader.manifest.leaves]
@@ -267,9 +267,7 @@ def gc(root: str, item: str | None, apply: bool) -> int:
         print(f"  object {o}")
     for f, _ in files:
         print(f"  file {f}")
-    objects_dir = str(store.objects_dir(root, item))
-    pending = [n for n in os.listdir(objects_dir)
-               if not store.is_committed(root, item, n)] if os.path.isdir(objects_dir) else []
+    pending = [n for n in store.object_names(root, item) if not store.is_committed(root, item, n)]
     if pending:
         print(f"  left alone: {len(pending)} uncommitted object(s) (a save in flight, or one that crashed; the next "
               f"save collects them): {', '.join(sorted(pending))}")

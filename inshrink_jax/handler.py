@@ -111,10 +111,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def finalize(self, directory) -> None:
         # Runs once on the primary host after every process finished writing, before Orbax's rename.
-        manifest, _ = store.read_manifest(directory)
-        base = manifest.base
-        store.finalize(directory, manifest.object, manifest.process_count,
-                       base=(base["object"], base["commit_crc32"]) if base else None)
+        store.finalize(directory)
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
         reader = store.Reader(directory)
@@ -126,8 +123,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def metadata(self, directory) -> records.Figures:
         """The figures of the step item at `directory` (`records.Figures`)."""
-        reader = store.Reader(directory)
-        return records.figures(reader.manifest, [p["figures"] for p in reader.own.commit["processes"]])
+        return store.Reader(directory).figures()
 
     @classmethod
     def typestr(cls) -> str:

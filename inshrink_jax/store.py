@@ -218,11 +218,17 @@ def _listdir(path: epath.Path) -> list[str]:
         return []
 
 
+def object_names(root, item: str) -> list[str]:
+    """The objects in the store of (root, item); an entry that is not an object name (a user's file) is not
+    one, and nothing here touches it."""
+    return [n for n in _listdir(objects_dir(root, item)) if _OBJECT_NAME.match(n) and ".." not in n]
+
+
 def new_object_id(root, item: str, step: str) -> str:
     """`<step>.<n>`, n one more than any committed object of the same step name (a step saved again after
     `mngr.delete` must not overwrite data that later deltas still use). Every process computes the same id:
     objects are committed only in `finalize`, which Orbax completes on all processes before the next save."""
-    used = [int(n.rsplit(".", 1)[1]) for n in _listdir(objects_dir(root, item))
+    used = [int(n.rsplit(".", 1)[1]) for n in object_names(root, item)
             if n.rsplit(".", 1)[0] == step and n.rsplit(".", 1)[-1].isdigit() and is_committed(root, item, n)]
     return f"{step}.{max(used) + 1 if used else 0}"
 
@@ -279,22 +285,25 @@ def _index(path: epath.Path, p: int, directory) -> tuple[dict, bytes, list[recor
         raise CheckpointCorruptError(f"{describe(directory)}: offset table {path / index_name(p)}: {e}") from None
 
 
-def finalize(directory, object_id: str, process_count: int, base: tuple[str, int] | None = None) -> dict:
+def finalize(directory) -> dict:
     """Commit one save (primary host, after every process wrote): check each process's blob and index, check
     that every object its deltas build on is committed, write the object's and the step's commit records, then
     collect unreferenced objects. Returns the object's commit record.
 
-    `base`: (reference, CRC32 of its commit record as the handler read it) of the base checkpoint's object the
-    step's residual leaves build on; it is listed in the step's commit record, so a restore checks it.
+    The manifest names the object, the number of writing processes and, for a fine-tune, the base checkpoint's
+    object with the CRC32 of its commit record as the save read it: that object is listed in the step's commit
+    record, so a restore checks it.
 
     Raises CheckpointCorruptError if a process's files or a delta base are missing, or if the base is gone or
     changed: the save then fails and Orbax does not list the step.
     """
+    manifest, manifest_crc = read_manifest(directory)
+    object_id, base = manifest.object, manifest.base
     root, item, _ = locate(directory)
     path = object_path(root, item, object_id)
     record: dict = {"processes": [], "bases": []}
     bases = set()
-    for p in range(process_count):
+    for p in range(manifest.process_count):
         index, raw, shards = _index(path, p, directory)
         for file, key in ((CODES_FILE, "blob_bytes"), (DATA_FILE, "data_bytes")):
             blob = path / blob_name(p, file)
@@ -314,13 +323,12 @@ def finalize(directory, object_id: str, process_count: int, base: tuple[str, int
     record["closure"] = closure
     outside: dict[str, int] = {}
     if base is not None:
-        ref, expected = base
+        ref, expected = base["object"], base["commit_crc32"]
         if record_crc(object_path(root, item, ref)) != expected:
             raise CheckpointCorruptError(f"{describe(directory)}: the base checkpoint object {ref} was deleted or "
                                          "changed while this step was saved against it; the save did not complete")
         outside[ref] = expected
     raw = write_json(path / COMMIT, record)
-    _, manifest_crc = read_manifest(directory)
     write_json(epath.Path(directory) / COMMIT, {"object": object_id, "manifest_crc32": manifest_crc,
                                                 "objects": {object_id: crc32(raw), **closure, **outside}})
     try:  # the save is complete: collecting garbage is housekeeping that must not fail it
@@ -370,7 +378,7 @@ def collect_garbage(root, item: str, current=None, dry_run: bool = False, concur
     commit record and the objects of saves in flight (a temporary step directory of their step) are left
     alone, since a save may be between writing them and Orbax's rename of its step. Deleting what another
     collector deleted first is not an error."""
-    names = _listdir(objects_dir(root, item))  # listed before the steps: an object made later is not a candidate
+    names = object_names(root, item)  # listed before the steps: an object made later is not a candidate
     found = referenced_objects(root, item, current)
     if found is None:
         return None
@@ -435,6 +443,7 @@ class _Object:
                     "saved there). This step decodes only against the base it was saved with.")
             raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
                                          "match the step's commit record (file replaced or corrupted)")
+        self._sizes: dict[tuple[int, str], int] = {}
         self.entries: dict[tuple, tuple[int, records.Shard]] = {}
         for p, rec in enumerate(self.commit["processes"]):
             _, raw, shards = _index(self.path, p, directory)
@@ -449,7 +458,9 @@ class _Object:
         path = self.path / blob_name(p, seg.file)
         expect = self.commit["processes"][p]["blob_bytes" if seg.file == CODES_FILE else "data_bytes"]
         try:
-            size = path.stat().length
+            if (p, seg.file) not in self._sizes:  # each file's size is checked once
+                self._sizes[(p, seg.file)] = path.stat().length
+            size = self._sizes[(p, seg.file)]
             if size != expect or seg.offset + seg.length > size:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: {path} has {size} bytes, "
                                              f"expected {expect} (truncated?)")
@@ -539,6 +550,11 @@ class Reader:
             self._objects[object_id] = _Object(self.root, self.item, object_id, self.commit["objects"][object_id],
                                                self.directory)
         return self._objects[object_id]
+
+    def figures(self) -> records.Figures:
+        """The step's per-save figures (`records.figures`)."""
+        with reading(self.directory, "figures"):
+            return records.figures(self.manifest, [p["figures"] for p in self.own.commit["processes"]])
 
     def array(self, leaf: str, p: int, seg: records.Segment, name: str, dtype, shape) -> np.ndarray:
         """A checked, decoded segment of this step's own object (`_Object.array`)."""

@@ -189,3 +189,15 @@ def test_files_swapped_between_steps_are_refused(root, tmp_path, files):
         ij.InshrinkCheckpointHandler().restore(dst / "1" / "default", ij.InshrinkRestore())
     assert cli.main(["verify", str(dst), "--step", "1"]) == 1
     assert cli.main(["verify", str(dst), "--step", "2"]) == 0
+
+
+def test_a_foreign_entry_in_the_object_store_neither_fails_a_save_nor_is_deleted(root, tmp_path):
+    dst = copy(root, tmp_path)
+    foreign = dst / store.OBJECTS / "default" / "notes (copy)"
+    foreign.mkdir()
+    mngr = ocp.CheckpointManager(dst, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+        search=False, optimizer="quantize")))
+    mngr.save(3, args=ij.InshrinkSave(state_at(3)))  # its finalize collects garbage
+    mngr.wait_until_finished()
+    assert foreign.is_dir() and 3 in mngr.all_steps()
+    assert cli.main(["gc", str(dst), "--apply"]) == 0 and foreign.is_dir()
