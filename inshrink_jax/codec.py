@@ -12,6 +12,10 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 entropy coder. Plain zstd spends at least 1 bit per symbol on literals; a stream that is 97%
                 zeros has an order-0 entropy near 0.25 bit per symbol, which coded run lengths approach
                 (tests/test_codec.py, benchmarks/results/delta.md).
+  "zstd-packed" for uint8 streams of small values (closed-loop residual codes: 2-4 levels): one header byte
+                w (1, 2 or 4), then zstandard of the values packed w bits each, 8 / w per byte (first value in
+                the low bits). zstd's Huffman literals cost at least 1 bit per byte; packed, that floor is
+                1 bit per 8 / w values, so a 2-level stream costs 1 bit per value, not 1.3-2.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -24,13 +28,15 @@ import zstandard
 ZSTD = "zstd"
 ZSTD_PLANES = "zstd-planes"
 ZSTD_RLE = "zstd-rle"
+ZSTD_PACKED = "zstd-packed"
 RAW = "raw"
+_PACK_WIDTHS = (1, 2, 4)
 DEFAULT_LEVEL = 3
 # Code and delta streams: whichever of these is smaller, at zstd level 1. On near-memoryless uint8 streams
 # level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
 # 1.18x vs 1.28x H0 on 8-level codes of a real training trace; run lengths take its deltas from 1.73x to
 # 1.11x H0 (benchmarks/results/delta.md).
-CODE_CODECS = (ZSTD, ZSTD_RLE)
+CODE_CODECS = (ZSTD, ZSTD_RLE, ZSTD_PACKED)
 CODE_LEVEL = 1
 # Lossless float data: byte planes win on trained weights (their exponent bytes repeat), plain zstd (what Orbax
 # stores) where whole values repeat; taking the smaller costs a second pass and is never larger than either.
@@ -59,10 +65,23 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         packed = compress(runs, ZSTD, level)
         return (np.array([arr.size, len(packed)], "<u8").tobytes() + packed
                 + compress(arr[nonzero], ZSTD, level))
+    elif codec == ZSTD_PACKED:
+        arr = _bytes_view(data)
+        top = int(arr.max()) if arr.size else 0
+        width = next((w for w in _PACK_WIDTHS if top < 1 << w), None)
+        if width is None:
+            return b"\xff" * (arr.size + 2)  # values above 15 do not pack: never the smallest (compress_best)
+        per = 8 // width
+        padded = np.zeros(-(-arr.size // per) * per, np.uint8)
+        padded[:arr.size] = arr
+        shifts = (np.arange(per, dtype=np.uint8) * width)[None, :]
+        packed = np.bitwise_or.reduce(padded.reshape(-1, per) << shifts, axis=1).astype(np.uint8)
+        return bytes([width]) + compress(packed, ZSTD, level)
     elif codec == ZSTD:
         buf = _bytes_view(data)
     else:
-        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
+        raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
+                         f"{ZSTD_PACKED!r}")
     return zstandard.ZstdCompressor(level=level).compress(buf)
 
 
@@ -84,12 +103,15 @@ class CodecError(ValueError):
 def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
     """Inverse of `compress`: exactly `size` bytes, or CodecError (nothing larger is ever allocated, whatever
     the stream's own header claims); `itemsize` is the element size the planes were split by (zstd-planes)."""
-    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE):
-        raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}")
+    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_PACKED):
+        raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
+                         f"{ZSTD_PACKED!r}")
     if codec == RAW:
         out = bytes(blob)
     elif codec == ZSTD_RLE:
         out = _decompress_rle(blob, size)
+    elif codec == ZSTD_PACKED:
+        out = _decompress_packed(blob, size)
     else:
         out = _zstd(blob, size)
     if len(out) != size:
@@ -114,6 +136,20 @@ def _zstd(blob: bytes, limit: int) -> bytes:
     if len(out) > limit:
         raise CodecError(f"zstandard stream decodes to {len(out)} bytes, at most {limit} expected")
     return out
+
+
+def _decompress_packed(blob: bytes, size: int) -> bytes:
+    if len(blob) < 1 or blob[0] not in _PACK_WIDTHS:
+        raise CodecError("zstd-packed stream has no valid width byte")
+    width = blob[0]
+    per = 8 // width
+    nbytes = -(-size // per)
+    packed = np.frombuffer(_zstd(blob[1:], nbytes), np.uint8)
+    if packed.size != nbytes:
+        raise CodecError(f"zstd-packed stream holds {packed.size} bytes, expected {nbytes} for {size} values")
+    shifts = (np.arange(per, dtype=np.uint8) * width)[None, :]
+    values = (packed[:, None] >> shifts) & np.uint8((1 << width) - 1)
+    return values.reshape(-1)[:size].tobytes()
 
 
 def _decompress_rle(blob: bytes, size: int) -> bytes:

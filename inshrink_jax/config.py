@@ -85,6 +85,13 @@ class SearchSpace:
             QuantConfig(prune_metric=m)
 
 
+# The space of a closed-loop residual save: the residual w_t - w_hat_{t-1} is one interval's change (plus the error
+# the previous save left), so far fewer levels, and much more pruning (a pruned residual keeps its previous
+# reconstruction; its error is carried to the next save), than a weight needs.
+RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 6, 8, 16), embedding_bins=(2, 4, 8, 16),
+                             prune_fractions=(0.0, 0.5, 0.75, 0.9), protect_fractions=(0.0, 0.001))
+
+
 @dataclasses.dataclass(frozen=True)
 class CompressionConfig:
     r"""Every parameter of the method (ALGORITHM.md), with the paper's values as defaults.
@@ -103,9 +110,19 @@ class CompressionConfig:
       layer_type_rules: (regex, layer_type) pairs tried in order on the leaf's path before the default rule
         (see `quantize.layer_type`); e.g. (("head", "dense"),).
       seed: seed of the PRNG key used for k-means++ initialisation (results are deterministic given it).
-      keyframe_every: longest delta chain: a save whose previous codes are `keyframe_every - 1` deltas away
-        from their keyframe stores whole codes again, so a restore decodes at most this many code streams
-        per shard. 1 stores every checkpoint whole.
+      keyframe_every: longest chain: a save whose previous one is `keyframe_every - 1` links away from its
+        keyframe is a keyframe again, so a restore decodes at most this many code streams per shard (and, closed
+        loop, adds at most this many residuals). 1 stores every checkpoint whole.
+      closed_loop: store the parameters closed loop (docs/how-it-works.md): a save after the first stores the
+        residual w_t - w_hat_{t-1} against the previous save's *reconstruction* w_hat_{t-1} (what a restore of
+        that save gives), quantized with levels of its own from `residual_space`, so w_hat_t = w_hat_{t-1} +
+        Q(residual). The error of a restore is then the quantization error of one interval's change, not of
+        the weights, and never accumulates: what one save leaves out, the next one's residual carries. A
+        restarted job that restored a step continues its chain (it holds that reconstruction exactly). Costs
+        one copy of the parameters on the device (the last reconstruction). False: every save quantizes the
+        weights afresh and stores their level indices as deltas (the paper's method).
+      residual_space: the values the search may pick for a closed-loop residual save; keyframes use
+        `search_space`.
       search: pick the configuration at every save under the quality budget `epsilon` (ALGORITHM.md step 5,
         docs/how-it-works.md); False saves every checkpoint with `quant`.
       search_space: the values the search may pick.
@@ -144,7 +161,9 @@ class CompressionConfig:
     min_compress_size: int = 1024
     layer_type_rules: tuple[tuple[str, str], ...] = ()
     seed: int = 0
-    keyframe_every: int = 10
+    keyframe_every: int = 32
+    closed_loop: bool = True
+    residual_space: SearchSpace = RESIDUAL_SPACE
     search: bool = True
     search_space: SearchSpace = SearchSpace()
     higher_is_better: bool = False
@@ -159,8 +178,9 @@ class CompressionConfig:
     @property
     def bins_capacity(self) -> int:
         """Slots of the encoder's k-means: the largest bin count this configuration can use."""
-        sp = self.search_space
-        return max(*sp.bins, *sp.embedding_bins, self.quant.bins, self.quant.embedding_bins)
+        sp, rs = self.search_space, self.residual_space
+        return max(*sp.bins, *sp.embedding_bins, *rs.bins, *rs.embedding_bins, self.quant.bins,
+                   self.quant.embedding_bins)
 
     def __post_init__(self):
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
@@ -172,7 +192,7 @@ class CompressionConfig:
                              ("keyframe_every", 1, None), ("search_batch", 1, None), ("moment_bins", 2, 127),
                              ("seed", None, None)):
             _integer(name, getattr(self, name), lo, hi)
-        for name in ("search", "higher_is_better"):
+        for name in ("search", "higher_is_better", "closed_loop"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompressionConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.protected_dtype not in PROTECTED_DTYPES:
@@ -181,8 +201,10 @@ class CompressionConfig:
             )
         if self.optimizer not in POLICIES:
             raise ValueError(f"CompressionConfig.optimizer must be one of {POLICIES}, got {self.optimizer!r}")
-        if not isinstance(self.quant, QuantConfig) or not isinstance(self.search_space, SearchSpace):
-            raise TypeError("CompressionConfig.quant must be a QuantConfig and search_space a SearchSpace")
+        if not isinstance(self.quant, QuantConfig) or not isinstance(self.search_space, SearchSpace) or \
+                not isinstance(self.residual_space, SearchSpace):
+            raise TypeError("CompressionConfig.quant must be a QuantConfig, search_space and residual_space "
+                            "SearchSpaces")
         _rules("policy_rules", self.policy_rules, POLICIES)
         _rules("layer_type_rules", self.layer_type_rules, LAYER_TYPES)
 

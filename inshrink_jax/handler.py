@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
@@ -67,10 +68,11 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         state, pending = self._states.get(key, (save.ItemState(), None))
         if pending is not None and pending.done() and pending.exception() is None:
             new = pending.result()
-            state = new if store.is_committed(root, item, new.object_id) else dataclasses.replace(state, quant=new.quant)
+            state = new if store.is_committed(root, item, new.object_id) else dataclasses.replace(
+                state, quant=new.quant, residual_quant=new.residual_quant)
             self._states[key] = (state, None)
         if state.object_id is not None and not store.is_committed(root, item, state.object_id):
-            state = save.ItemState(quant=state.quant)
+            state = state.choices()
         return state
 
     async def async_save(self, directory, args: "InshrinkSave" = None, **kwargs):
@@ -86,15 +88,15 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         state = self._state(root, item)
         offsets = [self.base.values(plan.base_of[i], plan.leaves[i]) if i in plan.base_of else None
                    for i in plan.weights]
-        dispatched, choice = save.dispatch(plan, cfg, args.eval_fn, state.quant, offsets,
-                                           self.base.describe() if self.base else None, primary, started)
+        dispatched = save.dispatch(plan, cfg, args.eval_fn, state, offsets,
+                                   self.base.describe() if self.base else None, primary, started)
         object_id = store.new_object_id(root, item, step)
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._states[(str(root), item)] = (state, result)
 
         async def commit():
             try:
-                result.set_result(save.write(dispatched, directory, object_id, state, choice, cfg, process, count,
+                result.set_result(save.write(dispatched, directory, object_id, state, cfg, process, count,
                                              primary, self._threads))
             except BaseException as e:
                 result.set_exception(e)
@@ -115,10 +117,13 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
         reader = store.Reader(directory)
-        out = restore.restore(reader, None if args is None else args.item, self._threads)
-        # Continue the chain from the restored step (its codes are on disk, committed, and now held here), and
-        # the search from its configuration.
-        self._states[(str(reader.root), reader.item)] = (save.state_of_restore(reader), None)
+        chained: dict = {}
+        out = restore.restore(reader, None if args is None else args.item, self._threads, chained)
+        # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
+        # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
+        # from its configuration.
+        recon = {k: jnp.copy(v) for k, v in chained.items() if isinstance(v, jax.Array)}
+        self._states[(str(reader.root), reader.item)] = (save.state_of_restore(reader, recon), None)
         return out
 
     def metadata(self, directory) -> records.Figures:

@@ -19,6 +19,8 @@ Part = Literal["params", "optimizer", "other"]
 PARTS = ("params", "optimizer", "other")
 CODES_FILE, DATA_FILE = "blob", "data"
 NUMPY_SCALAR = "numpy.generic"
+CLOSED_LOOP = "closed-loop"
+MAX_LEVELS = 254  # codes are uint8: 0 pruned, 1..K levels, K + 1 protected
 # The dtypes a checkpoint may name (never "O" or a structured dtype: a dtype is read from an untrusted file).
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "bfloat16",
           "float32", "float64", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2")
@@ -54,6 +56,10 @@ class Leaf:
       layer_type: of quantized weights.
       bins, centres: of quantized leaves: the number of levels (or value-table entries) and their values.
       base_leaf: of weights stored as residuals against a base checkpoint: the base's leaf.
+      coding: CLOSED_LOOP for a parameter stored in a closed-loop chain: the step restores it as the sum of its
+        chain's links (each link's shards name the link before it, `Segment.prior`); a leaf of kind "array"
+        with this coding is a chain's exact root. None: the leaf is decoded on its own (open-loop codes, their
+        delta chain, or lossless).
     """
 
     path: list
@@ -72,6 +78,7 @@ class Leaf:
     bins: int | None = None
     centres: list | None = None
     base_leaf: str | None = None
+    coding: str | None = None
 
     def to_json(self) -> dict:
         d = _drop_none(dataclasses.asdict(self))
@@ -91,6 +98,9 @@ class Leaf:
                    f"leaf {leaf.keystr}: invalid shape {leaf.shape!r}")
             _check(leaf.dtype in DTYPES, f"leaf {leaf.keystr}: dtype {str(leaf.dtype)[:40]!r} is not one a "
                                           "checkpoint may hold")
+        _check(leaf.coding in (None, CLOSED_LOOP) and (leaf.coding is None or (
+            leaf.kind in ("quantized", "array") and leaf.method in (None, "weights") and leaf.base_leaf is None)),
+               f"leaf {leaf.keystr}: invalid coding {str(leaf.coding)[:40]!r}")
         if leaf.kind == "quantized":
             _check(isinstance(leaf.bins, int) and isinstance(leaf.centres, list) and len(leaf.centres) == leaf.bins,
                    f"leaf {leaf.keystr}: invalid bins / centres")
@@ -147,6 +157,10 @@ class Segment:
       codec: codec id (codec.py).
       base, modulus: of a delta's code stream: the object it is a delta against, and the modulus of the delta.
       dtype, count: of protected values: their storage dtype and number.
+      prior, levels: of a closed-loop link's code stream: the object whose reconstruction of the same leaf this
+        link's decoded residual is added to (None: the chain's first link, decoded on its own), and the link's
+        K levels (codes 1..K; K + 1 is protected). A closed-loop link keeps all its segments in CODES_FILE:
+        later links need them.
     """
 
     file: str
@@ -158,6 +172,8 @@ class Segment:
     modulus: int | None = None
     dtype: str | None = None
     count: int | None = None
+    prior: str | None = None
+    levels: list | None = None
 
     def to_json(self) -> dict:
         return _drop_none(dataclasses.asdict(self))
@@ -173,6 +189,10 @@ class Segment:
         _check(all(d.get(k) is None or (isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] >= 0)
                    for k in ("count", "modulus")), "a segment's count or modulus")
         _check(d.get("base") is None or isinstance(d["base"], str), "a segment's base")
+        _check(d.get("prior") is None or isinstance(d["prior"], str), "a segment's prior")
+        levels = d.get("levels")
+        _check(levels is None or (isinstance(levels, list) and 1 <= len(levels) <= MAX_LEVELS and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in levels)), "a segment's levels")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

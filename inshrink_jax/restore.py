@@ -18,20 +18,24 @@ import numpy as np
 from inshrink_jax import quantize, records, store
 
 
-def restore(reader: store.Reader, target: Any, threads: int) -> Any:
+def restore(reader: store.Reader, target: Any, threads: int, chained: dict | None = None) -> Any:
     """The step item read by `reader`, restored into `target` (None: the saved tree as nested dicts and lists,
     arrays on the default device; else a tree of the saved structure whose leaves are arrays,
-    `jax.ShapeDtypeStruct`s (with `sharding=` to restore into that layout), NumPy arrays or scalars)."""
+    `jax.ShapeDtypeStruct`s (with `sharding=` to restore into that layout), NumPy arrays or scalars).
+    `chained`, if given, receives key path -> restored value of every leaf of a closed-loop chain."""
     if target is None:
-        pairs = [(m, None) for m in reader.manifest.leaves]
-        decode_codes(reader, pairs, threads)
-        values = [restore_leaf(reader, m, None) for m, _ in pairs]
-        with store.reading(reader.directory, "the tree of key paths"):
-            return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
-    pairs = match_target(reader, flat)
+        flat, treedef, pairs = None, None, [(m, None) for m in reader.manifest.leaves]
+    else:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
+        pairs = match_target(reader, flat)
     decode_codes(reader, pairs, threads)
-    return jax.tree_util.tree_unflatten(treedef, [restore_leaf(reader, m, t) for m, t in pairs])
+    values = [restore_leaf(reader, m, t) for m, t in pairs]
+    if chained is not None:
+        chained.update((m.keystr, v) for (m, _), v in zip(pairs, values) if m.coding == records.CLOSED_LOOP)
+    if target is not None:
+        return jax.tree_util.tree_unflatten(treedef, values)
+    with store.reading(reader.directory, "the tree of key paths"):
+        return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
 
 
 def match_target(reader: store.Reader, flat: list) -> list[tuple[records.Leaf, Any]]:
@@ -109,7 +113,7 @@ def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
     overlaps (NumPy and zstandard release the GIL): delta chains make this the bulk of a restore."""
     needed = []
     for meta, target in pairs:
-        if meta.kind != "quantized":
+        if meta.kind != "quantized" or meta.coding == records.CLOSED_LOOP:
             continue
         shape = tuple(meta.shape)
         boxes = [store.box_of(i, shape) for i in target_sharding(target).addressable_devices_indices_map(shape).values()]
@@ -205,42 +209,61 @@ def _prng_key(reader, meta: records.Leaf, target, what: str):
         raise ValueError(f"{what}: cannot place the restored key into the target sharding ({e})") from None
 
 
+def _encoded(box, shards: list, codes_of: Callable, protected_of: Callable, centres: np.ndarray, dtype: str,
+             what: str) -> quantize.EncodedTensor:
+    """The encoded tensor of `box` (codes, protected values in its row-major order) from stored `shards`
+    [(process, Shard)] of one object: `codes_of(p, e)` gives a shard's codes, `protected_of(p, e)` the flat
+    positions in that shard of its protected weights and their values."""
+    codes = _fill(np.empty(store.box_shape(box), np.uint8), box,
+                  [(e.box, (lambda p=p, e=e: codes_of(p, e))) for p, e in shards], what)
+    pos_parts, val_parts = [], []
+    for p, e in shards:
+        ov = overlap(box, e.box)
+        if ov is None:
+            continue
+        local, vals = protected_of(p, e)
+        glob = [ix + b[0] for ix, b in zip(np.unravel_index(local, store.box_shape(e.box)), e.box)]
+        inside = np.ones(local.size, bool)
+        for g, (lo, hi) in zip(glob, zip(*ov)):
+            inside &= (g >= lo) & (g < hi)
+        pos_parts.append(np.ravel_multi_index(tuple(g[inside] - b[0] for g, b in zip(glob, box)), codes.shape))
+        val_parts.append(vals[inside])
+    order = np.argsort(np.concatenate(pos_parts), kind="stable") if pos_parts else np.zeros(0, np.int64)
+    values = np.concatenate(val_parts)[order] if val_parts else np.zeros(0, np.float32)
+    return quantize.EncodedTensor(codes, centres, values, dtype)
+
+
+def _protected_reader(codes_of: Callable, array_of: Callable, bins: int, what: str) -> Callable:
+    """`protected_of` for `_encoded`: a shard's protected positions and values, read once per shard."""
+    cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def protected_of(p, e):
+        if id(e) not in cache:
+            seg = e.segments["protected"]
+            local = quantize.protected_positions(codes_of(p, e), bins)
+            vals = array_of(p, seg, "protected", jnp.dtype(seg.dtype), [seg.count or 0])
+            if local.size != vals.size:
+                raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
+            cache[id(e)] = (local, vals)
+        return cache[id(e)]
+    return protected_of
+
+
 def _quantized(reader, meta: records.Leaf, target, what: str):
     """A quantized leaf: codes along its delta chain, protected values, centres (plus the base's values for a
     residual), decoded per device."""
+    if meta.coding == records.CLOSED_LOOP:
+        return _closed_loop(reader, meta, target, what)
     shape, shards = tuple(meta.shape), reader.shards.get(meta.keystr, [])
     centres = np.asarray(meta.centres, np.float32)
-    positions: dict[int, np.ndarray] = {}
 
-    def protected(p, e):  # positions and values of a stored shard's protected weights, read once
-        if id(e) not in positions:
-            seg = e.segments["protected"]
-            codes = reader.codes(meta.keystr, e.box)[0]
-            local = quantize.protected_positions(codes, meta.bins)
-            vals = reader.array(meta.keystr, p, seg, "protected", jnp.dtype(seg.dtype), [seg.count or 0])
-            if local.size != vals.size:
-                raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
-            positions[id(e)] = (local, vals)
-        return positions[id(e)]
+    def codes_of(p, e):
+        return reader.codes(meta.keystr, e.box)[0]
+
+    protected_of = _protected_reader(codes_of, lambda *a: reader.array(meta.keystr, *a), meta.bins, what)
 
     def encoded(box):
-        pieces = [(e.box, (lambda e=e: reader.codes(meta.keystr, e.box)[0])) for _, e in shards]
-        codes = _fill(np.empty(store.box_shape(box), np.uint8), box, pieces, what)
-        pos_parts, val_parts = [], []
-        for p, e in shards:
-            ov = overlap(box, e.box)
-            if ov is None:
-                continue
-            local, vals = protected(p, e)
-            glob = [ix + b[0] for ix, b in zip(np.unravel_index(local, store.box_shape(e.box)), e.box)]
-            inside = np.ones(local.size, bool)
-            for g, (lo, hi) in zip(glob, zip(*ov)):
-                inside &= (g >= lo) & (g < hi)
-            pos_parts.append(np.ravel_multi_index(tuple(g[inside] - b[0] for g, b in zip(glob, box)), codes.shape))
-            val_parts.append(vals[inside])
-        order = np.argsort(np.concatenate(pos_parts), kind="stable") if pos_parts else np.zeros(0, np.int64)
-        values = np.concatenate(val_parts)[order] if val_parts else np.zeros(0, np.float32)
-        return quantize.EncodedTensor(codes, centres, values, meta.dtype)
+        return _encoded(box, shards, codes_of, protected_of, centres, meta.dtype, what)
 
     sharding = target_sharding(target)
     offsets = _base_offsets(reader, meta, sharding, what) if meta.base_leaf is not None else None
@@ -249,6 +272,56 @@ def _quantized(reader, meta: records.Leaf, target, what: str):
         return np.asarray(quantize.decode(encoded(full), None, None if offsets is None else offsets[None]))
     return _make_array(shape, sharding, lambda box, dev: quantize.decode(
         encoded(box), dev, None if offsets is None else offsets[dev]), what)
+
+
+def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
+    """A parameter of a closed-loop chain: its first link (a keyframe's codes, or exact values) decoded, then
+    each later link's residual added to it (`quantize.decode` with the reconstruction so far as the offset: the
+    formula the save computed its reconstruction with, so the result is bit-identical to it), per device."""
+    shape, dtype = tuple(meta.shape), np.dtype(jnp.dtype(meta.dtype))
+    links = []
+    for obj, shards in reader.links(meta.keystr):
+        if "data" in shards[0][1].segments:
+            links.append((shards, None, (lambda p, e, obj=obj: obj.array(meta.keystr, p, e.segments["data"], "data",
+                                                                          dtype, store.box_shape(e.box)))))
+            continue
+        levels = {tuple(e.segments["codes"].levels or ()) for _, e in shards}
+        if len(levels) != 1 or not 1 <= len(next(iter(levels))) <= records.MAX_LEVELS:
+            raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds no single list of levels for it")
+        centres = np.asarray(levels.pop(), np.float32)
+        codes_of = _link_codes(obj, meta.keystr, centres.size, what)
+        protected_of = _protected_reader(codes_of, lambda *a, obj=obj: obj.array(meta.keystr, *a), centres.size, what)
+        links.append((shards, centres, (codes_of, protected_of)))
+
+    def build(box, dev):
+        recon = None
+        for shards, centres, read in links:
+            if centres is None:
+                values = _fill(np.empty(store.box_shape(box), dtype), box,
+                               [(e.box, (lambda p=p, e=e: read(p, e))) for p, e in shards], what)
+                recon = jax.device_put(values, dev)
+            else:
+                recon = quantize.decode(_encoded(box, shards, *read, centres, meta.dtype, what), dev, recon)
+        return recon
+
+    if _is_numpy(meta, target):
+        return np.asarray(build([[0, n] for n in shape], None))
+    return _make_array(shape, target_sharding(target), build, what)
+
+
+def _link_codes(obj, leaf: str, bins: int, what: str) -> Callable:
+    """`codes_of` for one closed-loop link: a shard's codes, read once and checked to be codes of `bins` levels."""
+    cache: dict[int, np.ndarray] = {}
+
+    def codes_of(p, e):
+        if id(e) not in cache:
+            codes = obj.array(leaf, p, e.segments["codes"], "codes", np.uint8, store.box_shape(e.box))
+            if codes.size and int(codes.max()) > quantize.protected_code(bins):
+                raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds code {int(codes.max())}, above "
+                                                   f"the {quantize.protected_code(bins)} of its {bins} levels")
+            cache[id(e)] = codes
+        return cache[id(e)]
+    return codes_of
 
 
 def _base_offsets(reader: store.Reader, meta: records.Leaf, sharding, what: str) -> dict:

@@ -32,6 +32,7 @@ from inshrink_jax import codec, delta, moments, policy, quantize, records, searc
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 _QUANTIZABLE = {"float32", "bfloat16", "float16"}
+RESIDUAL, KEYFRAME = "residual", "keyframe"  # what a closed-loop save's search record says it searched
 # Positions of protected values are int32 (jax without x64): a quantized shard must index within it.
 MAX_SHARD_ELEMENTS = 2**31 - 1
 
@@ -41,20 +42,33 @@ class ItemState:
     """What the saves of one (root, item) carry from one to the next.
 
     Attributes:
-      object_id: the object whose codes `codes` holds (None: nothing to delta against; the next save is a
-        keyframe). Usable only once committed (`store.is_committed`).
-      codes: (leaf key path, shard box key) -> (uint8 codes, bins, chain depth) of this process's shards.
-      quant: the search's last choice (a QuantConfig or search.LOSSLESS), None before the first search.
+      object_id: the object whose codes `codes` holds and whose reconstruction `recon` is (None: nothing to
+        build on; the next save is a keyframe). Usable only once committed (`store.is_committed`).
+      codes: (leaf key path, shard box key) -> (uint8 codes, bins, chain depth) of this process's shards (open
+        loop: what the next save's level-index deltas are taken against).
+      quant: the search's last choice for a keyframe (a QuantConfig or search.LOSSLESS), None before the first.
+      recon: closed loop: leaf key path -> the parameter as a restore of `object_id` gives it, on the device(s)
+        with the leaf's sharding: what the next save's residuals are taken against.
+      depth: closed loop: links of `object_id`'s chain after its keyframe (0: it is a keyframe).
+      residual_quant: the search's last choice for a closed-loop residual save.
     """
 
     object_id: str | None = None
     codes: Mapping = dataclasses.field(default_factory=dict)
     quant: QuantConfig | str | None = None
+    recon: Mapping = dataclasses.field(default_factory=dict)
+    depth: int = 0
+    residual_quant: QuantConfig | str | None = None
+
+    def choices(self) -> "ItemState":
+        """Only the search's choices (a state without anything to build on: the next save is a keyframe)."""
+        return ItemState(quant=self.quant, residual_quant=self.residual_quant)
 
 
-def state_of_restore(reader: store.Reader) -> ItemState:
-    """The state a restored step leaves: its codes (those this process decoded) to continue the chain, and its
-    search choice (the search goes on from it across a resume)."""
+def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
+    """The state a restored step leaves: its codes (those this process decoded) to continue an open-loop chain,
+    `recon` (key path -> restored array, not shared with the caller's tree) to continue a closed-loop one, and
+    its search choice (the search goes on from it across a resume)."""
     bins = {m.keystr: m.bins for m in reader.manifest.leaves if m.kind == "quantized"}
     codes = {key: (c, bins[key[0]], depth) for key, (c, depth) in reader.codes_cache.items()}
     rec = reader.manifest.search
@@ -62,7 +76,9 @@ def state_of_restore(reader: store.Reader) -> ItemState:
     if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed", search.UNMEASURED) and "chosen" in rec:
         chosen = rec["chosen"]
         quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
-    return ItemState(reader.object_id, codes, quant)
+    residual = isinstance(rec, dict) and rec.get("coding") == RESIDUAL
+    return ItemState(reader.object_id, codes, None if residual else quant, dict(recon), reader.chain_depth,
+                     quant if residual else None)
 
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -188,6 +204,9 @@ class Dispatched:
       shards: (leaf index, box, payload) of this process's shards: a `DeviceCodes` shard tuple or a host array.
       manifest: the manifest fields besides the leaves, the object and the raw bytes.
       started: `time.perf_counter()` when the save started; blocking: seconds the caller was blocked.
+      prior: closed loop: the object whose reconstruction this save's residuals are added to (None: a keyframe).
+      after: the `ItemState` fields the next save builds on once this one is committed (quant, residual_quant,
+        recon, depth).
     """
 
     records: list[records.Leaf]
@@ -197,29 +216,60 @@ class Dispatched:
     manifest: dict
     started: float
     blocking: float
+    prior: str | None = None
+    after: dict = dataclasses.field(default_factory=dict)
 
 
-def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, previous: QuantConfig | str | None,
-             offsets: list, base_info: dict | None, primary: bool, started: float) -> tuple[Dispatched, Any]:
-    """Choose the configuration, dispatch the encoders, copy the lossless leaves; returns the dispatched save
-    and the search's choice for the next save (`ItemState.quant`). `offsets`: for each weight, the base
-    checkpoint's values it is stored against, or None."""
+def recon_offsets(p: Plan, cfg: CompressionConfig, chain: ItemState) -> list | None:
+    """Closed loop: per weight, the previous reconstruction this save's residual is taken against; None when
+    this save is a keyframe (open loop, a fine-tune against a base, no committed previous save, the chain is
+    `keyframe_every` long, or a weight without a reconstruction of its shape, dtype and sharding)."""
+    if not cfg.closed_loop or p.base_of or chain.object_id is None or chain.depth + 1 >= cfg.keyframe_every:
+        return None
+    out = []
+    for i in p.weights:
+        x, r = p.leaves[i], chain.recon.get(p.records[i].keystr)
+        if r is None or r.shape != x.shape or r.dtype != x.dtype or \
+                not r.sharding.is_equivalent_to(x.sharding, x.ndim):
+            return None
+        out.append(r)
+    return out
+
+
+def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: ItemState, offsets: list,
+             base_info: dict | None, primary: bool, started: float) -> Dispatched:
+    """Choose the configuration, dispatch the encoders (and, closed loop, the new reconstruction), copy the
+    lossless leaves. `chain`: the state the save builds on; `offsets`: for each weight, the base checkpoint's
+    values it is stored against, or None."""
     xs = [p.leaves[i] for i in p.weights]
     layer_types = [p.records[i].layer_type for i in p.weights]
-    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets)
+    closed = cfg.closed_loop and not p.base_of
+    recon = recon_offsets(p, cfg, chain)
+    residual = recon is not None
+    if residual:
+        offsets = recon
+    previous = chain.residual_quant if residual else chain.quant
+    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual)
+    if closed and isinstance(search_record, dict):
+        search_record["coding"] = RESIDUAL if residual else KEYFRAME
     recs = list(p.records)
     weights = p.weights
+    coding = records.CLOSED_LOOP if closed else None
     if quant is None:  # lossless: no weight quantized at this save
         for i in weights:
-            recs[i] = dataclasses.replace(recs[i], kind="array", method=None, layer_type=None)
-        weights, devs = [], []
+            recs[i] = dataclasses.replace(recs[i], kind="array", method=None, layer_type=None, coding=coding)
+        new_recon = [jnp.copy(x) for x in xs] if closed else []  # exact: the chain starts again from it
+        weights, devs, residual = [], [], False
     else:
         for i in p.base_of:
             recs[i] = dataclasses.replace(recs[i], base_leaf=p.base_of[i])
+        for i in weights:
+            recs[i] = dataclasses.replace(recs[i], coding=coding)
         if devs is None:
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets)
+        new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
-    # its base value, not a zero).
+    # its previous value, not a zero).
     prune = [devs[k].codes if k is not None and first and devs[k].offset is None else None
              for k, first in zip(p.owners if weights else [None] * len(p.moments), p.first)]
     devs = list(devs) + moments.encode_on_device([p.leaves[i] for i in p.moments], prune, cfg)
@@ -231,8 +281,12 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, previous
                 "empty": p.empty,
                 "sensitivity": (f"gradient EMA on {sum(g is not None for g in p.grads)} of {len(p.grads)} "
                                 "quantized leaves" if p.grads_given else "magnitude (no grads given)")}
-    return Dispatched(recs, quantized, devs, shards, manifest, started,
-                      time.perf_counter() - started), choice
+    after = dict(quant=chain.quant, residual_quant=chain.residual_quant,
+                 recon={p.records[i].keystr: r for i, r in zip(p.weights, new_recon)},
+                 depth=chain.depth + 1 if residual else 0)
+    after["residual_quant" if recon is not None else "quant"] = choice
+    return Dispatched(recs, quantized, devs, shards, manifest, started, time.perf_counter() - started,
+                      chain.object_id if residual else None, after)
 
 
 def _device_shards(idx: list[int], xs: list, devs: list) -> list[tuple[int, list, Any]]:
@@ -263,9 +317,10 @@ def _lossless_shards(leaves: list, recs: list[records.Leaf], primary: bool) -> l
     return out
 
 
-def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets):
+def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, residual: bool = False):
     """(configuration or None for lossless, its encoded leaves if the search made them, the search's record,
-    the choice the next save's search starts from)."""
+    the choice the next save's search starts from). `residual`: a closed-loop residual save (the search runs
+    over `cfg.residual_space`)."""
     if not p.weights:
         return cfg.quant, None, {"mode": "none (no compressed leaves)"}, previous
     if not cfg.search:
@@ -276,7 +331,7 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets):
         return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
-                                    previous, offsets)
+                                    previous, offsets, cfg.residual_space if residual else cfg.search_space)
     if outcome.mode == search.UNMEASURED:
         warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
                       "cannot be measured: this save stores the parameters losslessly, and the next save "
@@ -299,26 +354,30 @@ def config_json(cfg: CompressionConfig) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- write
-def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_every: int):
-    """(segments, chain link or None) of one shard: host copy, delta against the previous codes, entropy coding."""
+def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_every: int, prior: str | None):
+    """(segments, chain link or None) of one shard: host copy, delta against the previous codes (open loop) or
+    the link's levels and prior (closed loop), entropy coding."""
     if not isinstance(payload, tuple):
         return {"data": (*codec.compress_best(payload, codec.LOSSLESS_CODECS), {})}, None
     enc = quantize.to_host(*payload, rec.dtype)
+    protected = (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
+                 {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)})
+    if rec.coding == records.CLOSED_LOOP:
+        extra = {"prior": prior, "levels": [float(c) for c in enc.centres]}
+        return {"codes": (*codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
+                "protected": protected}, None
     prev = chain.codes.get((rec.keystr, store.box_key(box)))
     if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < keyframe_every:
         b = delta.modulus(prev[1], enc.bins)
         stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": chain.object_id, "modulus": b}, prev[2] + 1
     else:
         stream, extra, depth = enc.codes, {}, 0
-    segments = {
-        "codes": (*codec.compress_best(stream, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
-        "protected": (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
-                      {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)}),
-    }
+    segments = {"codes": (*codec.compress_best(stream, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
+                "protected": protected}
     return segments, (enc.codes, enc.bins, depth)
 
 
-def write(d: Dispatched, directory, object_id: str, chain: ItemState, choice, cfg: CompressionConfig,
+def write(d: Dispatched, directory, object_id: str, chain: ItemState, cfg: CompressionConfig,
           process: int, process_count: int, primary: bool, threads: int) -> ItemState:
     """The background part of a save (Orbax's commit thread): entropy-code and write this process's shards
     into the object `object_id` (deltas against `chain` where it allows), and the manifest on the primary
@@ -326,17 +385,20 @@ def write(d: Dispatched, directory, object_id: str, chain: ItemState, choice, cf
     for dev in d.devs:  # copies issued here, on the commit thread, so save() does not pay for issuing them
         dev.start_copy_to_host()
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        results = list(pool.map(lambda t: _encode_shard(d.records[t[0]], t[1], t[2], chain, cfg.keyframe_every),
-                                d.shards))
+        results = list(pool.map(lambda t: _encode_shard(d.records[t[0]], t[1], t[2], chain, cfg.keyframe_every,
+                                                        d.prior), d.shards))
     root, item, _ = store.locate(directory)
     writer = store.BlobWriter(store.object_path(root, item, object_id), process)
     stored = {part: 0 for part in records.PARTS}
     links: dict = {}
     for (i, box, _), (segments, link) in zip(d.shards, results):
-        stored[d.records[i].part] += writer.add(d.records[i].keystr, box, segments)
+        # A closed-loop link's segments all go with the code streams: later links are decoded through it.
+        stored[d.records[i].part] += writer.add(d.records[i].keystr, box, segments,
+                                                chained=d.records[i].coding == records.CLOSED_LOOP)
         if link is not None:
             links[(d.records[i].keystr, store.box_key(box))] = link
-    depths = [depth for _, _, depth in links.values()]
+    depths = [depth for _, _, depth in links.values()] + [d.after["depth"] for i, _, _ in d.shards if (
+        d.records[i].coding == records.CLOSED_LOOP and d.records[i].kind == "quantized")]
     writer.close(records.ProcessFigures(
         stored_bytes=stored, blocking_seconds=d.blocking, total_seconds=time.perf_counter() - d.started,
         keyframe_shards=depths.count(0), delta_shards=len(depths) - depths.count(0),
@@ -344,7 +406,7 @@ def write(d: Dispatched, directory, object_id: str, chain: ItemState, choice, cf
     if primary:
         store.write_json(epath.Path(directory) / store.MANIFEST,
                          manifest(d, object_id, process_count).to_json())
-    return ItemState(object_id, links, choice)
+    return ItemState(object_id, links, **d.after)
 
 
 def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manifest:

@@ -97,11 +97,17 @@ def _entropy(*ps: float) -> float:
     return -sum(p * math.log2(p) for p in ps if p > 0)
 
 
+def level_bits(bins: int) -> float:
+    """Estimated bits per quantized element for `bins` levels: log2(K) - 0.7 for K >= 8 (weighted k-means codes
+    of trained CNN layers: 0.6-0.9 bits below log2 K for K = 8..32); for fewer levels the saving shrinks to none
+    at K = 2, where two levels cost 1 bit (closed-loop residuals have balanced levels)."""
+    return math.log2(bins) - 0.7 * min(1.0, (bins - 2) / 6)
+
+
 def estimated_ratio(q: QuantConfig, sizes: dict[str, int], bits: dict[str, int]) -> float:
     """Estimated compression ratio of `q` as a keyframe, used to order candidates: per element, the order-0
-    entropy of the pruned / protected / quantized split, plus log2(K) - 0.7 bits per quantized element (the
-    level entropy of weighted k-means codes measured on trained CNN layers, 0.6-0.9 bits below log2 K for
-    K = 4..32), plus 16 bits per protected value.
+    entropy of the pruned / protected / quantized split, plus `level_bits(K)` per quantized element, plus
+    16 bits per protected value.
 
     `sizes` and `bits` give the elements and the bits per element of the compressed leaves per layer type.
     More bins or more protection always cost; more pruning does not always pay (a few pruned weights add a
@@ -111,7 +117,7 @@ def estimated_ratio(q: QuantConfig, sizes: dict[str, int], bits: dict[str, int])
         pp = q.protect_fraction
         pr = (1 - pp) * q.prune_fraction
         qf = 1 - pp - pr
-        per = _entropy(pp, pr, qf) + qf * max(math.log2(q.bins_for(lt)) - 0.7, 0.3) + pp * _PROTECTED_BITS
+        per = _entropy(pp, pr, qf) + qf * level_bits(q.bins_for(lt)) + pp * _PROTECTED_BITS
         raw += n * bits[lt]
         stored += n * per
     return raw / max(stored, 1e-12)
@@ -391,18 +397,19 @@ class Evaluator:
 
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
            cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None,
-           offsets: Sequence | None = None) -> tuple[Outcome, dict]:
+           offsets: Sequence | None = None, space: SearchSpace | None = None) -> tuple[Outcome, dict]:
     """Run the search for one save; returns the outcome and its record for the manifest (chosen
     configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds).
     `offsets` (per quantized leaf, None or its base weight) are passed to the encoder: those leaves are
-    encoded as residuals and scored as base + decoded residual.
+    encoded as residuals and scored as base + decoded residual. `space`: the space searched (default
+    `cfg.search_space`; a closed-loop residual save searches `cfg.residual_space`).
 
     An eval_fn value that is not a real number is a TypeError. A non-finite value for the uncompressed state
     gives mode UNMEASURED (nothing evaluated; the caller stores this save losslessly); one for a candidate makes
     that candidate infeasible. An eval_fn that returns the same value for every state, or that improves
     a lot under quantization (a loss with higher_is_better=True, or the reverse), gets a warning."""
     t0 = time.perf_counter()
-    space = cfg.search_space
+    space = cfg.search_space if space is None else space
     has_grads = any(g is not None for g in gs)
     metrics = tuple(space.prune_metrics) if has_grads else (
         ("magnitude",) if "magnitude" in space.prune_metrics else tuple(space.prune_metrics[:1]))

@@ -43,7 +43,7 @@ from inshrink_jax import codec, delta, quantize, records
 from inshrink_jax.records import CODES_FILE, DATA_FILE
 
 FORMAT = "inshrink_jax"
-FORMAT_VERSION = 6  # 4: leaves of kind "dropped"; quantized leaves of method "moments"
+FORMAT_VERSION = 7  # 4: leaves of kind "dropped"; quantized leaves of method "moments"; 7: closed-loop chains
 # 5: level-index deltas against a base checkpoint of another root (no longer read: they lost the fine-tune)
 # 6: weights stored as residuals against a base checkpoint (leaf field `base_leaf`, manifest `base`, the base's
 #    object listed by absolute path in the step's commit record)
@@ -244,13 +244,15 @@ class BlobWriter:
         self._parts: dict[str, list[bytes]] = {CODES_FILE: [], DATA_FILE: []}
         self._offset = {CODES_FILE: 0, DATA_FILE: 0}
 
-    def add(self, leaf: str, box: list[list[int]], segments: dict[str, tuple[bytes, str, dict]]) -> int:
+    def add(self, leaf: str, box: list[list[int]], segments: dict[str, tuple[bytes, str, dict]],
+            chained: bool = False) -> int:
         """One shard of one leaf (by key path): segments name -> (compressed bytes, codec id, extra Segment
-        fields). The segment named "codes" goes to the code-stream file, the others to the data file. Returns
-        the bytes added."""
+        fields). The segment named "codes" goes to the code-stream file, the others to the data file, except
+        that every segment of a `chained` shard (a closed-loop link, which later links decode through) goes to
+        the code-stream file. Returns the bytes added."""
         out, added = {}, 0
         for name, (data, codec_id, extra) in segments.items():
-            file = CODES_FILE if name == "codes" else DATA_FILE
+            file = CODES_FILE if name == "codes" or chained else DATA_FILE
             out[name] = records.Segment(file, self._offset[file], len(data), crc32(data), codec_id, **extra)
             self._parts[file].append(data)
             self._offset[file] += len(data)
@@ -312,7 +314,7 @@ def finalize(directory) -> dict:
                                              "is missing or has the wrong size; the save did not complete")
         record["processes"].append({"index_crc32": crc32(raw), "blob_bytes": index["blob_bytes"],
                                     "data_bytes": index["data_bytes"], "figures": index["figures"]})
-        bases.update(s.base for e in shards for s in e.segments.values() if s.base is not None)
+        bases.update(b for e in shards for s in e.segments.values() for b in (s.base, s.prior) if b is not None)
     closure: dict[str, int] = {}
     for b in sorted(bases):
         base_record, raw = read_json(object_path(root, item, b) / COMMIT, f"commit record of delta base {b}",
@@ -445,6 +447,7 @@ class _Object:
                                          "match the step's commit record (file replaced or corrupted)")
         self._sizes: dict[tuple[int, str], int] = {}
         self.entries: dict[tuple, tuple[int, records.Shard]] = {}
+        self.by_leaf: dict[str, list[tuple[int, records.Shard]]] = {}
         for p, rec in enumerate(self.commit["processes"]):
             _, raw, shards = _index(self.path, p, directory)
             if crc32(raw) != rec["index_crc32"]:
@@ -452,6 +455,7 @@ class _Object:
                                              f"{object_id} does not match its checksum in the commit record")
             for entry in shards:
                 self.entries[(entry.leaf, box_key(entry.box))] = (p, entry)
+                self.by_leaf.setdefault(entry.leaf, []).append((p, entry))
 
     def segment(self, leaf: str, p: int, seg: records.Segment, name: str) -> bytes:
         """The checked bytes of one segment of process p's file."""
@@ -506,7 +510,8 @@ class Reader:
 
     Attributes:
       manifest: the step's `records.Manifest`; leaves: key path -> its `records.Leaf`; shards: key path ->
-      [(process, `records.Shard`)] of the step's own object; codes_cache: the codes decoded so far.
+      [(process, `records.Shard`)] of the step's own object; codes_cache: the codes decoded so far;
+      chain_depth: the longest closed-loop chain (links after its first) of the leaves whose `links` were read.
     """
 
     def __init__(self, directory):
@@ -533,6 +538,7 @@ class Reader:
         for (leaf, _), (p, entry) in self.own.entries.items():
             self.shards.setdefault(leaf, []).append((p, entry))
         self.codes_cache: dict[tuple, tuple[np.ndarray, int]] = {}  # (leaf, box) -> (codes, depth)
+        self.chain_depth = 0  # closed loop: the most links after a keyframe of any leaf restored so far
 
     def object(self, object_id: str) -> _Object:
         with reading(self.directory, f"object {object_id!r}"):
@@ -622,3 +628,26 @@ class Reader:
                                          f"{int(codes.max())}, above the {top} of its {self.leaves[leaf].bins} levels")
         self.codes_cache[key] = (codes, len(chain) - 1)
         return self.codes_cache[key]
+
+    def links(self, leaf: str) -> list[tuple["_Object", list[tuple[int, records.Shard]]]]:
+        """A closed-loop leaf's chain, first link (a keyframe, or the exact values of a lossless save) to this
+        step's own: (object, its shards of the leaf) per link. Each link's shards must all name the same prior."""
+        with reading(self.directory, f"leaf {leaf}"):
+            chain, object_id = [], self.object_id
+            while object_id is not None:
+                if len(chain) >= len(self.commit["objects"]):
+                    raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: the closed-loop chain "
+                                                 "loops")
+                obj = self.object(object_id)
+                shards = obj.by_leaf.get(leaf, [])
+                priors = {e.segments["codes"].prior if "codes" in e.segments else None for _, e in shards}
+                if not shards or len(priors) != 1 or any(
+                        ("codes" in e.segments) == ("data" in e.segments) for _, e in shards):
+                    raise CheckpointCorruptError(
+                        f"{describe(self.directory)}: leaf {leaf}: object {object_id} does not hold a link of its "
+                        "closed-loop chain (no shard, mixed priors, or neither codes nor values): the chain is "
+                        "broken")
+                chain.append((obj, shards))
+                object_id = priors.pop()
+            self.chain_depth = max(self.chain_depth, len(chain) - 1)
+            return chain[::-1]
