@@ -22,7 +22,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from inshrink_jax import quantize, records, store
+from inshrink_jax import quantize, records, restore, store
 
 
 class _Progress:
@@ -193,6 +193,9 @@ def _verify_shard(reader: store.Reader, meta: records.Leaf, p: int, entry: recor
     shape = store.box_shape(entry.box)
     if meta.kind != "quantized":  # a PRNG key's dtype is its key data's, uint32
         reader.array(meta.keystr, p, entry.segments["data"], "data", jnp.dtype(meta.dtype), shape)
+        return
+    if meta.coding == records.CLOSED_LOOP:  # every link of its chain, decoded and summed
+        restore.restore_leaf(reader, meta, None)
         return
     codes, _ = reader.codes(meta.keystr, entry.box)
     seg = entry.segments["protected"]

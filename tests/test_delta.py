@@ -42,9 +42,10 @@ def test_rearranged_stream_is_grouped_by_previous_code():
 # ----------------------------------------------------------------------------------------------- helpers
 def make_manager(root, keyframe_every=10, **opts):
     # A fixed configuration: these tests are about chains (test_search.py saves chains with the search on);
-    # the optimizer state is lossless so that its "trace" tells bit-exactly which step came back.
+    # the optimizer state is lossless so that its "trace" tells bit-exactly which step came back. Open loop: the
+    # level-index deltas (test_closed_loop.py has the closed-loop chains).
     h = ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=keyframe_every, search=False,
-                                                          optimizer="lossless"))
+                                                          optimizer="lossless", closed_loop=False))
     return ocp.CheckpointManager(root, item_handlers=h, options=ocp.CheckpointManagerOptions(**opts))
 
 

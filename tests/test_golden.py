@@ -46,9 +46,10 @@ def rewrite_manifest(directory, **changes):
 
 def test_a_newer_version_is_refused(tmp_path):
     root = tmp_path / "ckpt"
-    shutil.copytree(os.path.join(DATA, "format_v6", "ckpt"), root)
+    shutil.copytree(os.path.join(DATA, f"format_v{VERSIONS[-1]}", "ckpt"), root)
     rewrite_manifest(root / "0" / "default", version=store.FORMAT_VERSION + 1)
-    with pytest.raises(ij.CheckpointCorruptError, match=r"step 0.*format version 7, this release reads up to 6"):
+    with pytest.raises(ij.CheckpointCorruptError, match=rf"step 0.*format version {store.FORMAT_VERSION + 1}, "
+                                                          rf"this release reads up to {store.FORMAT_VERSION}"):
         restored_as_numpy(root / "0" / "default")
 
 

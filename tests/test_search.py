@@ -186,7 +186,10 @@ def eval_loss(val):
 
 
 def manager(path, **cfg):
-    return ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(**cfg)))
+    # The paper's open-loop saves: every save searches the weights' space (test_closed_loop.py has the
+    # residual saves' search).
+    return ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(
+        ij.CompressionConfig(**{"closed_loop": False, **cfg})))
 
 
 def axes(q):

@@ -1,0 +1,190 @@
+"""Closed-loop chains (CompressionConfig.closed_loop, the default): a save after a keyframe stores the residual
+against the previous save's reconstruction; restores are bit-identical to that reconstruction, continue the chain
+across a restart, keep the error from growing over restores, and survive retention; broken chains are named
+errors."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import inshrink_jax as ij
+from inshrink_jax import cli, records, store
+
+
+def manager(root, max_to_keep=None, **cfg):
+    cfg = {"search": False, "quant": ij.QuantConfig(bins=8), **cfg}
+    return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(**cfg)),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+
+
+def walk(seed: int, n: int, step_size: float = 2e-3):
+    """n states of a random walk of two weights (float32 and bfloat16) and a bias."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_t(4, size=(96, 64)).astype(np.float32) * 0.05
+    v = rng.normal(size=(64, 32)).astype(np.float32) * 0.05
+    for _ in range(n):
+        w = w + rng.normal(size=w.shape).astype(np.float32) * step_size
+        v = v + rng.normal(size=v.shape).astype(np.float32) * step_size
+        yield {"w": jnp.asarray(w), "v": jnp.asarray(v, jnp.bfloat16), "b": jnp.asarray(w[0])}
+
+
+def rms(a, b) -> float:
+    return float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))
+
+
+def test_keyframe_then_residuals_bounded_by_keyframe_every(tmp_path):
+    mngr = manager(tmp_path, keyframe_every=3)
+    for step, s in enumerate(walk(0, 7)):
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+    kinds = [(mngr.item_metadata(s)["kind"], mngr.item_metadata(s)["chain_depth"]) for s in range(7)]
+    assert kinds == [("keyframe", 0), ("delta", 1), ("delta", 2), ("keyframe", 0), ("delta", 1), ("delta", 2),
+                     ("keyframe", 0)]
+    reader = store.Reader(tmp_path / "5" / "default")
+    assert reader.leaves["['w']"].coding == records.CLOSED_LOOP and reader.leaves["['b']"].coding is None
+    assert [o.id for o, _ in reader.links("['w']")] == ["3.0", "4.0", "5.0"]
+    assert reader.own.commit["bases"] == ["4.0"]
+    assert cli.main(["verify", str(tmp_path)]) == 0
+
+
+def test_a_restart_continues_the_chain_bit_exactly(tmp_path):
+    """A new process that restores step 3 and saves step 4 writes exactly what the process that saved 0..3
+    would have: it holds the same reconstruction."""
+    states = list(walk(1, 5))
+    a = manager(tmp_path / "a")
+    for step in range(4):
+        a.save(step, args=ij.InshrinkSave(states[step]))
+        a.wait_until_finished()
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    a.save(4, args=ij.InshrinkSave(states[4]))
+    a.wait_until_finished()
+    b = manager(tmp_path / "b")
+    restored = b.restore(3, args=ij.InshrinkRestore(states[3]))
+    assert restored["w"].dtype == jnp.float32 and restored["v"].dtype == jnp.bfloat16
+    b.save(4, args=ij.InshrinkSave(states[4]))
+    b.wait_until_finished()
+    assert b.item_metadata(4)["kind"] == "delta"  # a residual against the restored reconstruction
+    for name in ("a", "b"):
+        assert store.Reader(tmp_path / name / "4" / "default").own.commit["bases"] == ["3.0"]
+    out_a, out_b = manager(tmp_path / "a").restore(4), manager(tmp_path / "b").restore(4)
+    for k in ("w", "v", "b"):
+        np.testing.assert_array_equal(np.asarray(out_a[k]), np.asarray(out_b[k]))
+    # the restore of step 3 is what the saver held as its reconstruction: step 4's residual was added to it
+    assert rms(out_a["w"], states[4]["w"]) < rms(restored["w"], states[3]["w"])
+
+
+def test_error_does_not_grow_over_restores(tmp_path):
+    """Ten save -> new process -> restore -> train on cycles, against the same updates applied without
+    interruption. Open loop, each restore re-quantizes the weights on a grid at their own scale, and updates
+    smaller than a level are lost at every restore; closed loop, a restore loses only the quantization error of
+    the last interval's change. (Both lose the keyframe's error at the first restore: the uninterrupted run
+    starts from the first restored state.)"""
+    drift = {}
+    for closed in (True, False):
+        root = tmp_path / str(closed)
+        rng = np.random.default_rng(2)
+        state = truth = next(walk(2, 1))
+        for step in range(10):
+            mngr = manager(root, closed_loop=closed, keyframe_every=32)
+            if step:
+                state = mngr.restore(step - 1, args=ij.InshrinkRestore(state))
+                truth = state if step == 1 else truth
+            update = {k: rng.normal(size=x.shape) * 1e-3 for k, x in state.items()}
+            state = {k: x + jnp.asarray(update[k], x.dtype) for k, x in state.items()}
+            truth = {k: x + jnp.asarray(update[k], x.dtype) for k, x in truth.items()}
+            mngr.save(step, args=ij.InshrinkSave(state))
+            mngr.wait_until_finished()
+            mngr.close()
+        drift[closed] = rms(manager(root).restore(9)["w"], truth["w"])
+    assert drift[True] < 0.3 * drift[False], drift
+
+
+def test_retention_keeps_the_chain_and_collects_it_after_a_keyframe(tmp_path):
+    mngr = manager(tmp_path, max_to_keep=1, keyframe_every=4)
+    states = list(walk(3, 6))
+    for step, s in enumerate(states[:4]):
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+    assert mngr.all_steps() == [3]
+    objects = store.objects_dir(tmp_path, "default")
+    assert sorted(p.name for p in objects.iterdir()) == ["0.0", "1.0", "2.0", "3.0"]
+    r3 = manager(tmp_path).restore(3)
+    assert rms(r3["w"], states[3]["w"]) < 0.01
+    for step in (4, 5):  # step 4 is a keyframe: the old chain goes
+        mngr.save(step, args=ij.InshrinkSave(states[step]))
+        mngr.wait_until_finished()
+    assert sorted(p.name for p in objects.iterdir()) == ["4.0", "5.0"]
+
+
+def test_a_lossless_save_is_an_exact_root(tmp_path):
+    """When the search stores the parameters losslessly, the chain goes on from their exact values."""
+    states = list(walk(4, 3))
+    harsh = {"on": True}
+    ref = states[0]
+
+    def quality(s):  # while harsh, any change of the weight costs more than epsilon
+        return 1.0 + (float(jnp.sum(jnp.abs(s["w"] - ref["w"]))) if harsh["on"] else 0.0)
+
+    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig())
+    with pytest.warns(UserWarning, match="no quantization configuration meets"):
+        mngr.save(0, args=ij.InshrinkSave(states[0], eval_fn=quality))
+    mngr.wait_until_finished()
+    leaf = store.Reader(tmp_path / "0" / "default").leaves["['w']"]
+    assert (leaf.kind, leaf.coding) == ("array", records.CLOSED_LOOP)
+    harsh["on"] = False
+    mngr.save(1, args=ij.InshrinkSave(states[1], eval_fn=quality))
+    mngr.wait_until_finished()
+    fig = mngr.item_metadata(1)
+    assert fig["kind"] == "delta" and fig["search"]["coding"] == "residual" and fig["quant"] is not None
+    links = store.Reader(tmp_path / "1" / "default").links("['w']")
+    assert [o.id for o, _ in links] == ["0.0", "1.0"] and "data" in links[0][1][0][1].segments
+    # the residual is one interval's change: small against the weights
+    assert rms(mngr.restore(1)["w"], states[1]["w"]) < 0.05 * float(np.std(np.asarray(states[1]["w"])))
+
+
+def test_sharded_save_restored_replicated_continues_the_chain(tmp_path):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    states = list(walk(5, 3))
+
+    def split_up(tree):
+        return {k: jax.device_put(x, split if x.ndim == 2 else whole) for k, x in tree.items()}
+
+    mngr = manager(tmp_path)
+    for step in (0, 1):
+        mngr.save(step, args=ij.InshrinkSave(split_up(states[step])))
+        mngr.wait_until_finished()
+    fresh = manager(tmp_path)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole), states[1])
+    restored = fresh.restore(1, args=ij.InshrinkRestore(target))
+    assert restored["w"].sharding == whole
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(mngr.restore(1)["w"]))
+    fresh.save(2, args=ij.InshrinkSave(jax.device_put(states[2], whole)))
+    fresh.wait_until_finished()
+    assert fresh.item_metadata(2)["kind"] == "delta"
+    r2 = manager(tmp_path).restore(2, args=ij.InshrinkRestore(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), split_up(states[2]))))
+    assert r2["w"].sharding == split and rms(r2["w"], states[2]["w"]) < rms(restored["w"], states[1]["w"])
+
+
+def test_a_missing_or_corrupt_link_is_a_named_error(tmp_path):
+    mngr = manager(tmp_path)
+    for step, s in enumerate(walk(6, 3)):
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+    blob = store.objects_dir(tmp_path, "default") / "1.0" / store.blob_name(0)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(ij.CheckpointCorruptError, match=r"step 2.*leaf \['(w|v)'\].*checksum"):
+        manager(tmp_path).restore(2)
+    assert cli.main(["verify", str(tmp_path), "--step", "2"]) == 1
+    shutil.rmtree(store.objects_dir(tmp_path, "default") / "1.0")
+    with pytest.raises(ij.CheckpointCorruptError, match=r"step 2.*object 1\.0.*missing"):
+        manager(tmp_path).restore(2)
+    assert manager(tmp_path).restore(0)["w"].shape == (96, 64)  # the keyframe alone still restores
