@@ -67,7 +67,7 @@ OPT_POLICIES = {
     "quantize8": dict(optimizer="quantize", moment_bins=8),
     "drop-mu": dict(optimizer="quantize", policy_rules=((r"\.mu\b", "drop"),)),
 }
-METHODS = (["orbax", "bf16", "qd8", "cnr4", "inshrink-0.05", "inshrink-0.01", "inshrink-acc-0.05", "inshrink-acc-0.01"]
+METHODS = (["orbax", "bf16", "qd8", "cnr4", "excp", "inshrink-0.05", "inshrink-0.01", "inshrink-acc-0.05", "inshrink-acc-0.01"]
            + [f"inshrink-opt-{p}" for p in OPT_POLICIES])
 
 

@@ -28,9 +28,9 @@ def load() -> tuple[np.ndarray, np.ndarray, int]:
     return ids[:split], ids[split:], len(vocab)
 
 
-def windows(ids: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, next-character targets), each (len(starts), CONTEXT)."""
-    idx = starts[:, None] + np.arange(CONTEXT + 1)[None, :]
+def windows(ids: np.ndarray, starts: np.ndarray, context: int = CONTEXT) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, next-character targets), each (len(starts), context)."""
+    idx = starts[:, None] + np.arange(context + 1)[None, :]
     w = ids[idx]
     return w[:, :-1], w[:, 1:]
 
@@ -55,21 +55,23 @@ class CharTransformer(nn.Module):
     d: int = 128
     heads: int = 4
     layers: int = 2
+    context: int = CONTEXT
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(self.vocab, self.d)(tokens)
-        x = x + self.param("pos", nn.initializers.normal(0.02), (CONTEXT, self.d))[: tokens.shape[1]]
+        x = x + self.param("pos", nn.initializers.normal(0.02), (self.context, self.d))[: tokens.shape[1]]
         for _ in range(self.layers):
             x = Block(self.d, self.heads)(x)
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def create_state(vocab: int, seed: int = 0, steps: int = 1000, peak_lr: float = 3e-3) -> train_state.TrainState:
+def create_state(vocab: int, seed: int = 0, steps: int = 1000, peak_lr: float = 3e-3, d: int = 128,
+                 layers: int = 2, context: int = CONTEXT) -> train_state.TrainState:
     """AdamW (weight decay 0.01) with min(50, steps / 10) warm-up steps and cosine decay to 10% of `peak_lr` at
-    `steps`."""
-    model = CharTransformer(vocab)
-    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, CONTEXT), jnp.int32))["params"]
+    `steps`; a `CharTransformer` of width `d`, `layers` blocks and `context` positions."""
+    model = CharTransformer(vocab, d=d, layers=layers, context=context)
+    params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, context), jnp.int32))["params"]
     warmup = min(50, steps // 10)
     lr = optax.warmup_cosine_decay_schedule(0.0, peak_lr, warmup, steps, end_value=peak_lr * 0.1)
     return train_state.TrainState.create(apply_fn=model.apply, params=params,

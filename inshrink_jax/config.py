@@ -123,6 +123,12 @@ class CompressionConfig:
         weights afresh and stores their level indices as deltas (the paper's method).
       residual_space: the values the search may pick for a closed-loop residual save; keyframes use
         `search_space`.
+      residual_budget: a closed-loop residual save takes the most compressive configuration of
+        `residual_space` whose sensitivity-weighted squared error is at most this fraction of the residual's
+        (`search.proxy_degradation` against the previous reconstruction). The error a save leaves is carried
+        into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
+        interval's change of the weights: the knob of the residual saves' size (smaller: more levels, more
+        bytes). With an eval_fn the choice is also checked against `epsilon`.
       search: pick the configuration at every save under the quality budget `epsilon` (ALGORITHM.md step 5,
         docs/how-it-works.md); False saves every checkpoint with `quant`.
       search_space: the values the search may pick.
@@ -164,6 +170,7 @@ class CompressionConfig:
     keyframe_every: int = 32
     closed_loop: bool = True
     residual_space: SearchSpace = RESIDUAL_SPACE
+    residual_budget: float = 0.3
     search: bool = True
     search_space: SearchSpace = SearchSpace()
     higher_is_better: bool = False
@@ -185,7 +192,7 @@ class CompressionConfig:
     def __post_init__(self):
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
                                      ("sigma", 0.0, 1.0, True), ("kmeans_tol", 0.0, math.inf, True),
-                                     ("proxy_budget", 0.0, math.inf, True),
+                                     ("proxy_budget", 0.0, math.inf, True), ("residual_budget", 0.0, 1.0, True),
                                      ("metric_switch_margin", 0.0, math.inf, True)):
             _real(name, getattr(self, name), lo, hi, closed)
         for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),

@@ -68,8 +68,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         state, pending = self._states.get(key, (save.ItemState(), None))
         if pending is not None and pending.done() and pending.exception() is None:
             new = pending.result()
-            state = new if store.is_committed(root, item, new.object_id) else dataclasses.replace(
-                state, quant=new.quant, residual_quant=new.residual_quant)
+            state = new if store.is_committed(root, item, new.object_id) else dataclasses.replace(state, quant=new.quant)
             self._states[key] = (state, None)
         if state.object_id is not None and not store.is_committed(root, item, state.object_id):
             state = state.choices()

@@ -50,7 +50,8 @@ class ItemState:
       recon: closed loop: leaf key path -> the parameter as a restore of `object_id` gives it, on the device(s)
         with the leaf's sharding: what the next save's residuals are taken against.
       depth: closed loop: links of `object_id`'s chain after its keyframe (0: it is a keyframe).
-      residual_quant: the search's last choice for a closed-loop residual save.
+    (A closed-loop residual save searches afresh every time: its proxy needs no eval_fn call, and the
+    residual's statistics change from save to save.)
     """
 
     object_id: str | None = None
@@ -58,11 +59,10 @@ class ItemState:
     quant: QuantConfig | str | None = None
     recon: Mapping = dataclasses.field(default_factory=dict)
     depth: int = 0
-    residual_quant: QuantConfig | str | None = None
 
     def choices(self) -> "ItemState":
-        """Only the search's choices (a state without anything to build on: the next save is a keyframe)."""
-        return ItemState(quant=self.quant, residual_quant=self.residual_quant)
+        """Only the search's choice (a state without anything to build on: the next save is a keyframe)."""
+        return ItemState(quant=self.quant)
 
 
 def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
@@ -76,9 +76,9 @@ def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
     if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed", search.UNMEASURED) and "chosen" in rec:
         chosen = rec["chosen"]
         quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
-    residual = isinstance(rec, dict) and rec.get("coding") == RESIDUAL
-    return ItemState(reader.object_id, codes, None if residual else quant, dict(recon), reader.chain_depth,
-                     quant if residual else None)
+    if isinstance(rec, dict) and rec.get("coding") == RESIDUAL:
+        quant = None  # the keyframes' search starts afresh
+    return ItemState(reader.object_id, codes, quant, dict(recon), reader.chain_depth)
 
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -205,8 +205,7 @@ class Dispatched:
       manifest: the manifest fields besides the leaves, the object and the raw bytes.
       started: `time.perf_counter()` when the save started; blocking: seconds the caller was blocked.
       prior: closed loop: the object whose reconstruction this save's residuals are added to (None: a keyframe).
-      after: the `ItemState` fields the next save builds on once this one is committed (quant, residual_quant,
-        recon, depth).
+      after: the `ItemState` fields the next save builds on once this one is committed (quant, recon, depth).
     """
 
     records: list[records.Leaf]
@@ -248,7 +247,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     residual = recon is not None
     if residual:
         offsets = recon
-    previous = chain.residual_quant if residual else chain.quant
+    previous = None if residual else chain.quant
     quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual)
     if closed and isinstance(search_record, dict):
         search_record["coding"] = RESIDUAL if residual else KEYFRAME
@@ -281,10 +280,9 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
                 "empty": p.empty,
                 "sensitivity": (f"gradient EMA on {sum(g is not None for g in p.grads)} of {len(p.grads)} "
                                 "quantized leaves" if p.grads_given else "magnitude (no grads given)")}
-    after = dict(quant=chain.quant, residual_quant=chain.residual_quant,
+    after = dict(quant=chain.quant if residual else choice,
                  recon={p.records[i].keystr: r for i, r in zip(p.weights, new_recon)},
                  depth=chain.depth + 1 if residual else 0)
-    after["residual_quant" if recon is not None else "quant"] = choice
     return Dispatched(recs, quantized, devs, shards, manifest, started, time.perf_counter() - started,
                       chain.object_id if residual else None, after)
 
@@ -331,7 +329,7 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
         return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
-                                    previous, offsets, cfg.residual_space if residual else cfg.search_space)
+                                    previous, offsets, residual)
     if outcome.mode == search.UNMEASURED:
         warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
                       "cannot be measured: this save stores the parameters losslessly, and the next save "

@@ -308,17 +308,22 @@ def search(
 
 # ---------------------------------------------------------------------------------------------- evaluation
 @jax.jit
-def proxy_degradation(xs, dequantized, gs):
-    """The data-free quality proxy: sum(g^2 (w - w_q)^2) / sum(g^2 w^2) over all compressed tensors, with
-    g = 1 where no gradient is given. g^2 weights the squared error like a diagonal Fisher (second-order)
-    estimate of the loss change; non-finite weights are stored exactly and excluded."""
+def proxy_degradation(xs, dequantized, gs, references=None):
+    """The data-free quality proxy: sum(g^2 (w - w_q)^2) / sum(g^2 (w - ref)^2) over all compressed tensors,
+    with g = 1 where no gradient is given and ref = 0 where no reference is given (the weights' own energy; a
+    closed-loop residual save's reference is the previous reconstruction, so the proxy is the share of the
+    interval's change, plus the error carried in, that the save leaves out). g^2 weights the squared error like
+    a diagonal Fisher (second-order) estimate of the loss change; non-finite weights are stored exactly and
+    excluded."""
+    references = [None] * len(xs) if references is None else references
     num = den = jnp.float32(0)
-    for x, d, g in zip(xs, dequantized, gs):
+    for x, d, g, r in zip(xs, dequantized, gs, references):
         x32 = x.astype(jnp.float32)
         fin = jnp.isfinite(x32)
         w = 1.0 if g is None else jnp.square(g.astype(jnp.float32))
         num += jnp.sum(jnp.where(fin, w * jnp.square(x32 - d.astype(jnp.float32)), 0.0))
-        den += jnp.sum(jnp.where(fin, w * jnp.square(x32), 0.0))
+        ref = x32 if r is None else x32 - r.astype(jnp.float32)
+        den += jnp.sum(jnp.where(fin & jnp.isfinite(ref), w * jnp.square(ref), 0.0))
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
 
 
@@ -334,10 +339,12 @@ class Evaluator:
     """
 
     def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
-                 cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, offsets: Sequence | None = None):
+                 cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, offsets: Sequence | None = None,
+                 residual: bool = False):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
         self.xs = [leaves[i] for i in self.quant_idx]
         self.offsets = offsets
+        self.references = list(offsets) if residual else None  # the proxy's reference (closed-loop residuals)
         self.gs, self.layer_types, self.cfg, self.eval_fn = list(gs), list(layer_types), cfg, eval_fn
         self.eval_calls = 0
         self.baseline: float | None = None  # measured with the first candidates
@@ -384,7 +391,7 @@ class Evaluator:
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
             if self.eval_fn is None:
-                scores.append(proxy_degradation(self.xs, deq, self.gs))
+                scores.append(proxy_degradation(self.xs, deq, self.gs, self.references))
             else:
                 leaves = list(self.leaves)
                 for i, v in zip(self.quant_idx, deq):
@@ -397,19 +404,24 @@ class Evaluator:
 
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
            cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None,
-           offsets: Sequence | None = None, space: SearchSpace | None = None) -> tuple[Outcome, dict]:
+           offsets: Sequence | None = None, residual: bool = False) -> tuple[Outcome, dict]:
     """Run the search for one save; returns the outcome and its record for the manifest (chosen
     configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds).
     `offsets` (per quantized leaf, None or its base weight) are passed to the encoder: those leaves are
-    encoded as residuals and scored as base + decoded residual. `space`: the space searched (default
-    `cfg.search_space`; a closed-loop residual save searches `cfg.residual_space`).
+    encoded as residuals and scored as base + decoded residual.
+
+    `residual`: a closed-loop residual save (`offsets` are the previous reconstruction). Its search runs over
+    `cfg.residual_space` with the data-free proxy against the residual (`proxy_degradation` with the offsets
+    as references) under `cfg.residual_budget`: no eval_fn call per candidate. With an eval_fn, the chosen
+    candidate is then measured once; if it degrades by more than `cfg.epsilon`, the least aggressive residual
+    configuration is measured, and if that does not meet epsilon either, the save is lossless.
 
     An eval_fn value that is not a real number is a TypeError. A non-finite value for the uncompressed state
     gives mode UNMEASURED (nothing evaluated; the caller stores this save losslessly); one for a candidate makes
     that candidate infeasible. An eval_fn that returns the same value for every state, or that improves
     a lot under quantization (a loss with higher_is_better=True, or the reverse), gets a warning."""
     t0 = time.perf_counter()
-    space = cfg.search_space if space is None else space
+    space = cfg.residual_space if residual else cfg.search_space
     has_grads = any(g is not None for g in gs)
     metrics = tuple(space.prune_metrics) if has_grads else (
         ("magnitude",) if "magnitude" in space.prune_metrics else tuple(space.prune_metrics[:1]))
@@ -419,31 +431,60 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     for i, lt in zip(quant_idx, layer_types):
         sizes[lt] = sizes.get(lt, 0) + int(np.prod(leaves[i].shape))
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
-    evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets)
-    budget = cfg.epsilon if eval_fn is not None else cfg.proxy_budget
-    if eval_fn is not None and not math.isfinite(evaluator.measure_baseline()):
+    evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
+                          offsets=offsets, residual=residual)
+    budget = cfg.residual_budget if residual else cfg.epsilon if eval_fn is not None else cfg.proxy_budget
+    checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets) \
+        if residual and eval_fn is not None else evaluator
+    proxy = None
+    if eval_fn is not None and not math.isfinite(checker.measure_baseline()):
         outcome = Outcome(None, 0.0, UNMEASURED)
     else:
         outcome = search(evaluator, cube, metrics, budget, cfg.search_batch,
                          lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits), previous,
                          cfg.metric_switch_margin)
-        _check_eval_fn(evaluator, budget)
+        if checker is not evaluator:
+            proxy = outcome.degradation
+            outcome = _guard(checker, outcome, cube.config(cube.top, metrics[0]), cfg.epsilon)
+        _check_eval_fn(checker, cfg.epsilon if eval_fn is not None else budget)
     record = {
         "mode": outcome.mode,
         "quality": ("eval_fn, " + ("higher is better" if cfg.higher_is_better else "lower is better"))
-        if eval_fn is not None else "data-free proxy: sensitivity-weighted relative reconstruction error",
+        if eval_fn is not None and not residual else
+        "data-free proxy: sensitivity-weighted relative reconstruction error" + (
+            " of the residual" + (", the choice checked with eval_fn" if eval_fn is not None else "")
+            if residual else ""),
         "budget": budget,
-        "baseline": evaluator.baseline if evaluator.baseline is None or math.isfinite(evaluator.baseline)
-        else str(evaluator.baseline),
+        "baseline": checker.baseline if checker.baseline is None or math.isfinite(checker.baseline)
+        else str(checker.baseline),
         "degradation": outcome.degradation,
         "chosen": LOSSLESS if outcome.quant is None else dataclasses.asdict(outcome.quant),
         "candidates": outcome.evaluations,
         "rounds": outcome.rounds,
-        "eval_fn_calls": evaluator.eval_calls,
+        "eval_fn_calls": checker.eval_calls,
         "prune_metrics": list(metrics),
         "seconds": time.perf_counter() - t0,
     }
+    if proxy is not None:
+        record["proxy"] = proxy
+        record["epsilon"] = cfg.epsilon
     return outcome, record
+
+
+def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: float) -> Outcome:
+    """A residual save's choice measured with the eval_fn (its `degradation` becomes the measured one); over
+    `epsilon`, the least aggressive residual configuration `top` instead, or lossless (quant None) if that is
+    over too (mode "guarded")."""
+    if outcome.quant is None:
+        return outcome
+    for q in (outcome.quant, top):
+        [(d, payload)] = checker([q])
+        if d <= epsilon:
+            mode = outcome.mode if q is outcome.quant else "guarded"
+            return Outcome(q, d, mode, outcome.evaluations + 1, outcome.rounds + 1, payload)
+        if q == top:
+            break
+    return Outcome(None, 0.0, "guarded", outcome.evaluations + 2, outcome.rounds + 2)
 
 
 def _check_eval_fn(evaluator: Evaluator, budget: float) -> None:
