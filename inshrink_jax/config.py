@@ -87,9 +87,10 @@ class SearchSpace:
 
 # The space of a closed-loop residual save: the residual w_t - w_hat_{t-1} is one interval's change (plus the error
 # the previous save left), so far fewer levels, and much more pruning (a pruned residual keeps its previous
-# reconstruction; its error is carried to the next save), than a weight needs.
-RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 6, 8, 16), embedding_bins=(2, 4, 8, 16),
-                             prune_fractions=(0.0, 0.5, 0.75, 0.9), protect_fractions=(0.0, 0.001))
+# reconstruction; its error is carried to the next save), than a weight needs. Pruned by magnitude only: the
+# proxy that scores residual candidates weights every element alike (see CompressionConfig.residual_budget).
+RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 8, 16), embedding_bins=(2, 4, 8, 16), prune_fractions=(0.0, 0.5, 0.8),
+                             protect_fractions=(0.0,), prune_metrics=("magnitude",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +125,9 @@ class CompressionConfig:
       residual_space: the values the search may pick for a closed-loop residual save; keyframes use
         `search_space`.
       residual_budget: a closed-loop residual save takes the most compressive configuration of
-        `residual_space` whose sensitivity-weighted squared error is at most this fraction of the residual's
-        (`search.proxy_degradation` against the previous reconstruction). The error a save leaves is carried
+        `residual_space` whose squared error is at most this fraction of the residual's
+        (`search.proxy_degradation` against the previous reconstruction, every element weighted alike: a
+        gradient EMA is small where gradients are noisy, which Adam moves as much as any other weight). The error a save leaves is carried
         into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
         interval's change of the weights: the knob of the residual saves' size (smaller: more levels, more
         bytes). With an eval_fn the choice is also checked against `epsilon`.
@@ -170,7 +172,7 @@ class CompressionConfig:
     keyframe_every: int = 32
     closed_loop: bool = True
     residual_space: SearchSpace = RESIDUAL_SPACE
-    residual_budget: float = 0.3
+    residual_budget: float = 0.2
     search: bool = True
     search_space: SearchSpace = SearchSpace()
     higher_is_better: bool = False

@@ -391,7 +391,8 @@ class Evaluator:
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
             if self.eval_fn is None:
-                scores.append(proxy_degradation(self.xs, deq, self.gs, self.references))
+                gs = self.gs if self.references is None else [None] * len(self.gs)  # residuals: unweighted
+                scores.append(proxy_degradation(self.xs, deq, gs, self.references))
             else:
                 leaves = list(self.leaves)
                 for i, v in zip(self.quant_idx, deq):
@@ -412,7 +413,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
 
     `residual`: a closed-loop residual save (`offsets` are the previous reconstruction). Its search runs over
     `cfg.residual_space` with the data-free proxy against the residual (`proxy_degradation` with the offsets
-    as references) under `cfg.residual_budget`: no eval_fn call per candidate. With an eval_fn, the chosen
+    as references, unweighted) under `cfg.residual_budget`: no eval_fn call per candidate. With an eval_fn, the chosen
     candidate is then measured once; if it degrades by more than `cfg.epsilon`, the least aggressive residual
     configuration is measured, and if that does not meet epsilon either, the save is lossless.
 

@@ -188,3 +188,38 @@ def test_a_missing_or_corrupt_link_is_a_named_error(tmp_path):
     with pytest.raises(ij.CheckpointCorruptError, match=r"step 2.*object 1\.0.*missing"):
         manager(tmp_path).restore(2)
     assert manager(tmp_path).restore(0)["w"].shape == (96, 64)  # the keyframe alone still restores
+
+
+def test_eval_fn_outcomes_at_residual_saves_and_recovery_across_a_resume(tmp_path):
+    """A NaN from eval_fn at a residual save: a warning, that save lossless (an exact root), and after a restart
+    and a restore the next save is a compressed residual again; a non-numeric value is a TypeError."""
+    states = list(walk(7, 4))
+    value = {"v": 1.0}
+
+    def quality(s):
+        if isinstance(value["v"], str):
+            return value["v"]
+        return value["v"] + float(jnp.mean(jnp.abs(s["w"] - states[0]["w"])))
+
+    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig())
+    mngr.save(0, args=ij.InshrinkSave(states[0], eval_fn=quality))
+    mngr.save(1, args=ij.InshrinkSave(states[1], eval_fn=quality))
+    mngr.wait_until_finished()
+    assert mngr.item_metadata(1)["search"]["coding"] == "residual"
+    value["v"] = float("nan")
+    with pytest.warns(UserWarning, match="cannot be measured"):
+        mngr.save(2, args=ij.InshrinkSave(states[2], eval_fn=quality))
+    mngr.wait_until_finished()
+    assert mngr.item_metadata(2)["quant"] is None
+    value["v"] = "good"
+    with pytest.raises(TypeError, match="eval_fn must return one real number"):
+        manager(tmp_path / "other", search=True).save(0, args=ij.InshrinkSave(states[0], eval_fn=quality))
+    value["v"] = 1.0
+    resumed = manager(tmp_path, search=True, quant=ij.QuantConfig())
+    restored = resumed.restore(2, args=ij.InshrinkRestore(states[2]))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(states[2]["w"]))  # lossless: exact
+    resumed.save(3, args=ij.InshrinkSave(states[3], eval_fn=quality))
+    resumed.wait_until_finished()
+    fig = resumed.item_metadata(3)
+    assert fig["search"]["coding"] == "residual" and fig["quant"] is not None and fig["kind"] == "delta"
+    assert [o.id for o, _ in store.Reader(tmp_path / "3" / "default").links("['w']")] == ["2.0", "3.0"]

@@ -1,0 +1,198 @@
+"""Fidelity: does training that fails and resumes 10 times from compressed checkpoints end where uninterrupted
+training ends, and at what size? inshrink_jax's knob settings and the baselines in one run, against the noise
+floor of each workload measured with three seeds.
+
+Usage:
+  python benchmarks/bench_fidelity.py --workload charlm --out benchmarks/results/fidelity_charlm.md
+  python benchmarks/bench_fidelity.py --workload mnist  --out benchmarks/results/fidelity_mnist.md
+  python benchmarks/bench_fidelity.py --workload longlm --methods inshrink qd8 orbax --out ...
+(needs the `bench` extra: pip install -e '.[bench]')
+
+Workloads (the harness, failures and figures are those of bench_fault_tolerance.py):
+  mnist   the MNIST CNN, 1500 steps, a checkpoint every 50, quality = test accuracy.
+  charlm  a 2-layer character transformer (440k parameters), 600 steps with cosine decay, a checkpoint every 30:
+          the harsh spacing (a restore every 60 steps, each 15 steps after a save).
+  longlm  a 3-layer character transformer (1.39M parameters, context 64, batch 16), 3000 steps with cosine
+          decay, a checkpoint every 100: ten restores spread over the whole run.
+Noise floor: the largest |relative difference| of the final quality of seeds 1 and 2 from seed 0 (uninterrupted,
+no checkpoints); a method is "within noise" when its degradation is at most that.
+
+Methods: inshrink (the default configuration: CompressionConfig() with a GradientEMA and the eval_fn),
+inshrink-rb<B> (residual_budget=B, the closed-loop size knob), inshrink-open (the paper's open-loop saves,
+closed_loop=False), and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_fault_tolerance as ft  # noqa: E402
+import charlm  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
+import report  # noqa: E402
+
+KNOBS = (0.05, 0.15, 0.3, 0.6)
+METHODS = (["inshrink"] + [f"inshrink-rb{b}" for b in KNOBS] + ["inshrink-open", "orbax", "bf16", "qd8", "cnr4",
+                                                                "excp"])
+
+
+class LongLM(ft.CharLM):
+    """A longer run of a larger character transformer (module docstring)."""
+
+    name, steps, every, metric, higher = "longlm", 3000, 100, "loss", False
+    D, LAYERS, CONTEXT, BATCH = 192, 3, 64, 16
+
+    def __init__(self, seed: int, steps: int):
+        self.train, held, self.vocab = charlm.load()
+        self.seed, self.total = seed, steps
+        rng = np.random.default_rng(12345)
+        half = len(held) // 2
+        self.eval = tuple(map(jnp.asarray, charlm.windows(held[:half], rng.integers(0, half - 65, 64), 64)))
+        self.test = tuple(map(jnp.asarray, charlm.windows(held[half:], rng.integers(0, len(held) - half - 65, 256),
+                                                          64)))
+
+    def describe(self, steps):
+        return (f"character transformer (1.39M parameters: width {self.D}, {self.LAYERS} layers, context "
+                f"{self.CONTEXT}, vocabulary {self.vocab}), AdamW 3e-3 with cosine decay over {steps} steps, batch "
+                f"{self.BATCH}; quality = loss on 256 held-out windows, eval_fn = loss on 64 others")
+
+    def create_state(self):
+        return charlm.create_state(self.vocab, self.seed, steps=self.total, d=self.D, layers=self.LAYERS,
+                                   context=self.CONTEXT)
+
+    def batch(self, step: int):
+        starts = np.random.default_rng((self.seed, step)).integers(0, len(self.train) - self.CONTEXT - 1, self.BATCH)
+        return charlm.windows(self.train, starts, self.CONTEXT)
+
+
+WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM}
+
+
+def method(name: str):
+    """A method of the table: inshrink_jax at a setting, or a baseline."""
+    if name == "inshrink":
+        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon)
+    if name == "inshrink-open":
+        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, closed_loop=False)
+    if name.startswith("inshrink-rb"):
+        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, residual_budget=float(name[len("inshrink-rb"):]))
+    return ft.Baseline(name)
+
+
+def frontier_plot(rows: dict, noise: float, work, path: str):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot", flush=True)
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for name, r in rows.items():
+        ours = name.startswith("inshrink")
+        ax.scatter(r["written"], 100 * r["degradation"][0], marker="o" if ours else "s",
+                   color="tab:blue" if ours else "tab:red")
+        ax.annotate(name, (r["written"], 100 * r["degradation"][0]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.axhspan(-100 * noise, 100 * noise, color="grey", alpha=0.2, label="noise floor (3 seeds)")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes written over the run (whole checkpoint, log)")
+    ax.set_ylabel(f"final {work.metric} degradation after 10 restores (%)")
+    ax.set_title(f"{work.name}: size against fidelity")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="charlm")
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--failures", type=int, default=10)
+    ap.add_argument("--out", default=None, help="markdown table; the frontier plot (.png) and figures (.json) beside")
+    args = ap.parse_args(argv)
+    cls = WORKLOADS[args.workload]
+    steps, every = cls.steps, cls.every
+
+    def make(seed):
+        return cls(seed) if cls is ft.Mnist else cls(seed, steps)
+
+    span = steps / args.failures
+    failures = [int((k + 0.5) * span) // every * every + every // 2 for k in range(args.failures)]
+    work = make(0)
+    refs = [ft.reference(work if s == 0 else make(s), steps, every) for s in range(3)]
+    ref = refs[0]
+
+    def degradation(q):
+        base = ref["quality"]
+        m = (base[0] - q[0]) / base[0] if work.higher else (q[0] - base[0]) / base[0]
+        return m, (q[1] - base[1]) / base[1]
+
+    noise = max(abs(degradation(r["quality"])[0]) for r in refs[1:])
+    others = ", ".join(f"{r['quality'][0]:.4f}" for r in refs[1:])
+    print(f"reference {work.metric} {ref['quality'][0]:.4f}; seeds 1, 2: {others}; noise floor {noise:.2%}",
+          flush=True)
+    rows = {}
+    for name in args.methods:
+        r = ft.run(method(name), work, steps, every, failures)
+        r["degradation"] = degradation(r["quality"])
+        rows[name] = r
+        print(f"{name}: {work.metric} {r['quality'][0]:.4f} ({r['degradation'][0]:+.2%}; noise {noise:.2%}), params "
+              f"{r['params_ratio']:.1f}x, whole {r['whole_ratio']:.1f}x, {r['seconds']:.0f} s", flush=True)
+
+    cmd = f"python benchmarks/bench_fidelity.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+    lines = [f"# Fidelity ({work.name}): final quality after {args.failures} restores, against the noise floor", "",
+             f"Command: `{cmd}`", "",
+             f"{work.describe(steps)}. A checkpoint every {every} steps; failures after steps "
+             f"{', '.join(map(str, failures))}, each resumed by a new manager and handler from the latest "
+             "checkpoint. inshrink_jax keeps 3 steps; baselines keep every step.", "",
+             f"Uninterrupted references (no checkpoints): seed 0 {work.metric} **{ref['quality'][0]:.4f}**, seeds 1 "
+             f"and 2 {others}: noise floor **{noise:.2%}** (the "
+             "largest |relative difference| from seed 0).", "",
+             "Ratios: raw bytes / stored bytes summed over every save (params: parameter segments, baselines: the "
+             "params item; whole: raw parameters + optimizer state + step against every byte written). "
+             "Degradation: relative to seed 0, + is worse.", "",
+             f"| method | params ratio | whole ratio | final {work.metric} | degradation | within noise | "
+             "bytes written | restore s (all) | overhead blocking | run s |",
+             "|---|---:|---:|---:|---:|:-:|---:|---:|---:|---:|"]
+    for name, r in rows.items():
+        d = r["degradation"][0]
+        lines.append(f"| {name} | {r['params_ratio']:.1f}x | **{r['whole_ratio']:.1f}x** | {r['quality'][0]:.4f} | "
+                     f"**{d:+.2%}** | {'yes' if d <= noise else 'no'} | {r['written']:,d} | "
+                     f"{r['restore_s']:.1f} | {r['blocking'] / ref['seconds']:.1%} | {r['seconds']:.0f} |")
+    ours = {n: r for n, r in rows.items() if n.startswith("inshrink")}
+    base = {n: r for n, r in rows.items() if not n.startswith("inshrink")}
+    if ours and base:
+        lines += ["", "Against each baseline: the smallest inshrink_jax setting whose degradation is at most the "
+                      "baseline's (or within noise), and how many times fewer bytes it wrote.", "",
+                  "| baseline | its degradation | its bytes | inshrink_jax setting | its degradation | times fewer bytes |",
+                  "|---|---:|---:|---|---:|---:|"]
+        for n, b in base.items():
+            bound = max(b["degradation"][0], noise)
+            fits = [(r["written"], m) for m, r in ours.items() if r["degradation"][0] <= bound]
+            if fits:
+                w, m = min(fits)
+                lines.append(f"| {n} | {b['degradation'][0]:+.2%} | {b['written']:,d} | {m} | "
+                             f"{ours[m]['degradation'][0]:+.2%} | {b['written'] / w:.1f}x |")
+            else:
+                lines.append(f"| {n} | {b['degradation'][0]:+.2%} | {b['written']:,d} | none at that quality | | |")
+    png = frontier_plot(rows, noise, work, os.path.splitext(args.out)[0] + ".png") if args.out else None
+    if png:
+        lines += ["", f"![bytes against degradation]({os.path.basename(png)})"]
+    report.emit(lines, args.out)
+    if args.out:
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(dict(command=cmd, failures=failures, noise=noise, references=refs, rows=rows), f, indent=1,
+                      default=str)
+
+
+if __name__ == "__main__":
+    main()
