@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 
 import jax.numpy as jnp
@@ -118,6 +119,11 @@ def main(argv=None):
     ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     ap.add_argument("--failures", type=int, default=10)
     ap.add_argument("--out", default=None, help="markdown table; the frontier plot (.png) and figures (.json) beside")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="instead of running: one table of the runs in these figure files (invocations of this "
+                         "workload with the same --cache, e.g. ours and the baselines run side by side)")
+    ap.add_argument("--cache", default=None, help="directory keeping the uninterrupted reference runs between "
+                                                  "invocations (they do not depend on the methods)")
     args = ap.parse_args(argv)
     cls = WORKLOADS[args.workload]
     steps, every = cls.steps, cls.every
@@ -128,7 +134,20 @@ def main(argv=None):
     span = steps / args.failures
     failures = [int((k + 0.5) * span) // every * every + every // 2 for k in range(args.failures)]
     work = make(0)
-    refs = [ft.reference(work if s == 0 else make(s), steps, every) for s in range(3)]
+
+    def reference(seed):
+        path = args.cache and os.path.join(args.cache, f"{work.name}-{seed}-{steps}-{every}.pkl")
+        if path and os.path.exists(path):
+            with open(path, "rb") as f:
+                return pickle.load(f)
+        r = ft.reference(work if seed == 0 else make(seed), steps, every)
+        if path:
+            os.makedirs(args.cache, exist_ok=True)
+            with open(path, "wb") as f:
+                pickle.dump(r, f)
+        return r
+
+    refs = [reference(s) for s in range(3)]
     ref = refs[0]
 
     def degradation(q):
@@ -141,7 +160,10 @@ def main(argv=None):
     print(f"reference {work.metric} {ref['quality'][0]:.4f}; seeds 1, 2: {others}; noise floor {noise:.2%}",
           flush=True)
     rows = {}
-    for name in args.methods:
+    for path in args.merge or []:
+        with open(path) as f:
+            rows.update(json.load(f)["rows"])
+    for name in [] if args.merge else args.methods:
         r = ft.run(method(name), work, steps, every, failures)
         r["degradation"] = degradation(r["quality"])
         rows[name] = r
@@ -149,6 +171,8 @@ def main(argv=None):
               f"{r['params_ratio']:.1f}x, whole {r['whole_ratio']:.1f}x, {r['seconds']:.0f} s", flush=True)
 
     cmd = f"python benchmarks/bench_fidelity.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()
+    if args.merge:
+        cmd += " (figures of: " + "; ".join(json.load(open(p))["command"] for p in args.merge) + ")"
     lines = [f"# Fidelity ({work.name}): final quality after {args.failures} restores, against the noise floor", "",
              f"Command: `{cmd}`", "",
              f"{work.describe(steps)}. A checkpoint every {every} steps; failures after steps "
