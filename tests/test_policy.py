@@ -29,7 +29,7 @@ def vae_params():
 def test_parameters_under_modules_named_like_moments_are_parameters(tmp_path):
     params = vae_params()
     state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
-    k = kinds(state)
+    k = kinds(state, optimizer="drop")
     for name in ("['encoder']['mu']", "['encoder']['nu']", "['trace']", "['momentum']"):
         assert k[f"['params']{name}['kernel']"] == ("quantized", "weights")
         assert k[f"['opt_state'][0].mu{name}['kernel']"] == ("dropped", None)  # the real moments: dropped
@@ -89,7 +89,7 @@ def test_a_restored_plain_tree_keeps_its_moments():
     """A restore without a target returns dicts; an optax state in it is known by its field set."""
     params = vae_params()
     plain = {"params": params, "opt_state": [{"count": jnp.int32(3), **{f: params for f in ("mu", "nu")}}, {}]}
-    k = kinds(plain)
+    k = kinds(plain, optimizer="drop")
     assert k["['opt_state'][0]['nu']['encoder']['mu']['kernel']"] == ("dropped", None)
     assert k["['opt_state'][0]['count']"] == ("dropped", None)  # reset with the dropped second moment
     assert kinds({"params": {"trace": params["trace"]}})["['params']['trace']['kernel']"] == ("quantized", "weights")
