@@ -39,7 +39,7 @@ import bench_fault_tolerance as ft  # noqa: E402
 import charlm  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
 
-KNOBS = (0.05, 0.15, 0.3, 0.6)
+KNOBS = (0.1, 0.4, 0.7)
 METHODS = (["inshrink"] + [f"inshrink-rb{b}" for b in KNOBS] + ["inshrink-open", "orbax", "bf16", "qd8", "cnr4",
                                                                 "excp"])
 

@@ -88,8 +88,9 @@ class SearchSpace:
 # The space of a closed-loop residual save: the residual w_t - w_hat_{t-1} is one interval's change (plus the error
 # the previous save left), so far fewer levels, and much more pruning (a pruned residual keeps its previous
 # reconstruction; its error is carried to the next save), than a weight needs. Pruned by magnitude only: the
-# proxy that scores residual candidates weights every element alike (see CompressionConfig.residual_budget).
-RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 8, 16), embedding_bins=(2, 4, 8, 16), prune_fractions=(0.0, 0.5, 0.8),
+# proxy that scores residual candidates weights every element alike (see CompressionConfig.residual_budget). Twelve
+# points (embedding tables take 3 levels, not an axis of their own): the search runs at every save.
+RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 8), embedding_bins=(3,), prune_fractions=(0.0, 0.5, 0.8),
                              protect_fractions=(0.0,), prune_metrics=("magnitude",))
 
 
