@@ -28,7 +28,7 @@ import digits  # noqa: E402
 import inshrink_jax as ij  # noqa: E402
 
 STEPS, EVERY, FAIL_AT, KEEP = int(os.environ.get("DEMO_STEPS", 600)), 50, 370, 3
-CONFIG = ij.CompressionConfig(epsilon=0.05)  # the defaults: the search, and the default optimizer-state policy
+CONFIG = ij.CompressionConfig()  # the defaults: closed-loop saves, the search, the default optimizer-state policy
 
 
 def dir_bytes(path: str) -> int:

@@ -35,7 +35,7 @@ def main(argv=None):
     state = digits.create_state(seed=0)
     mngr = ocp.CheckpointManager(
         os.path.abspath(args.dir),
-        item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(epsilon=0.05)),
+        item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()),
         options=ocp.CheckpointManagerOptions(max_to_keep=3))
     start = mngr.latest_step() or 0
     if start:

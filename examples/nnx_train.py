@@ -65,7 +65,7 @@ def main(argv=None):
 
     mngr = ocp.CheckpointManager(
         os.path.abspath(args.dir),
-        item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(epsilon=0.05)),
+        item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()),
         options=ocp.CheckpointManagerOptions(max_to_keep=3))
     start = mngr.latest_step() or 0
     if start:

@@ -13,7 +13,7 @@ weights, and store the fine-tune's checkpoints against the compressed base.
 3. The fine-tune's TrainState is checkpointed every `--every` steps by a handler with `base=` the compressed
    base: each pretrained weight is stored as its residual, the change fine-tuning made to the base's restored
    value, quantized with the configuration the search picks to keep the held-out accuracy within 1%; the new
-   head is quantized as it is. The Adam moments follow the default optimizer policy (not stored).
+   head is quantized as it is. The Adam moments follow the default optimizer policy (quantized).
 
   python examples/transfer.py --dir /tmp/transfer
 

@@ -31,6 +31,12 @@ from inshrink_jax import kmeans, sketch, threshold
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 PRUNED = 0
+# k-means bucket weight of a closed-loop residual: counts only (MSE-optimal levels). The paper's weighting by
+# |value| (CompressionConfig.sigma) keeps a weight tensor's large values near-exact; on a residual, which is
+# mostly near 0 (weights that got no gradient, or little) with long tails, it pulls every level into the tails
+# and a 2-level residual of a dense layer fed by always-zero inputs came back with 70x the error of storing no
+# residual at all.
+RESIDUAL_SIGMA = 1.0
 _BF16_MAX = float(jnp.finfo(jnp.bfloat16).max)
 _ATTENTION_WORDS = {"query", "key", "value", "qkv", "q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "attn",
                     "attention", "self_attn", "self_attention", "mha"}
@@ -259,6 +265,7 @@ def encode_on_device(
     cfg: CompressionConfig,
     key: jax.Array | None = None,
     offsets: Sequence[jax.Array | None] | None = None,
+    sigma: float | None = None,
 ) -> list[DeviceCodes]:
     """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
     compiled once per state structure, whatever `quant` is (its k-means has `cfg.bins_capacity` slots).
@@ -272,6 +279,7 @@ def encode_on_device(
       key: PRNG key for k-means++; defaults to PRNGKey(cfg.seed).
       offsets: per tensor, None or an array of its shape and sharding (a base checkpoint's restored weight):
         the tensor is then encoded as its residual x - offset, and decodes to offset + the decoded residual.
+      sigma: the k-means bucket weight, default `cfg.sigma` (`RESIDUAL_SIGMA` for closed-loop residuals).
 
     Returns:
       One `DeviceCodes` per input, in order. Nothing is waited for: the work is dispatched, and the results
@@ -292,7 +300,7 @@ def encode_on_device(
             np.bool_(quant.prune_metric == "sensitivity"),
             np.float32(quant.protect_fraction), np.float32(quant.prune_fraction),
             seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
-            prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma, iters=cfg.kmeans_iters,
+            prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters,
             tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity,
             out_dtypes=tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
                              for i in idx),

@@ -265,7 +265,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
         for i in weights:
             recs[i] = dataclasses.replace(recs[i], coding=coding)
         if devs is None:
-            devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets)
+            devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
+                                             sigma=quantize.RESIDUAL_SIGMA if residual else None)
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
     # its previous value, not a zero).

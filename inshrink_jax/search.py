@@ -385,8 +385,9 @@ class Evaluator:
         if self.eval_fn is not None:
             self.measure_baseline()
         # Dispatch every candidate's device work first, then block on the scores together.
-        encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets)
-                   for q in quants]
+        sigma = None if self.references is None else quantize.RESIDUAL_SIGMA  # closed-loop residuals
+        encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets,
+                                             sigma=sigma) for q in quants]
         scores = []
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
@@ -415,7 +416,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     `cfg.residual_space` with the data-free proxy against the residual (`proxy_degradation` with the offsets
     as references, unweighted) under `cfg.residual_budget`: no eval_fn call per candidate. With an eval_fn, the chosen
     candidate is then measured once; if it degrades by more than `cfg.epsilon`, the least aggressive residual
-    configuration is measured, and if that does not meet epsilon either, the save is lossless.
+    configuration is measured and taken unless it measured worse (`_guard`: never lossless, since its error is a
+    few percent of one interval's change and the next save carries it).
 
     An eval_fn value that is not a real number is a TypeError. A non-finite value for the uncompressed state
     gives mode UNMEASURED (nothing evaluated; the caller stores this save losslessly); one for a candidate makes
@@ -435,7 +437,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
                           offsets=offsets, residual=residual)
     budget = cfg.residual_budget if residual else cfg.epsilon if eval_fn is not None else cfg.proxy_budget
-    checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets) \
+    checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True) \
         if residual and eval_fn is not None else evaluator
     proxy = None
     if eval_fn is not None and not math.isfinite(checker.measure_baseline()):
@@ -474,18 +476,18 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
 
 def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: float) -> Outcome:
     """A residual save's choice measured with the eval_fn (its `degradation` becomes the measured one); over
-    `epsilon`, the least aggressive residual configuration `top` instead, or lossless (quant None) if that is
-    over too (mode "guarded")."""
+    `epsilon`, the least aggressive residual configuration `top` instead (mode "guarded"), even when it is over
+    too: its error is a few percent of one interval's change, and the next save's residual carries it, whereas
+    a lossless save would cost the whole tensor (on a small loss, eval_fn differences of that size are noise)."""
     if outcome.quant is None:
         return outcome
-    for q in (outcome.quant, top):
-        [(d, payload)] = checker([q])
-        if d <= epsilon:
-            mode = outcome.mode if q is outcome.quant else "guarded"
-            return Outcome(q, d, mode, outcome.evaluations + 1, outcome.rounds + 1, payload)
-        if q == top:
-            break
-    return Outcome(None, 0.0, "guarded", outcome.evaluations + 2, outcome.rounds + 2)
+    [(d, payload)] = checker([outcome.quant])
+    if d <= epsilon or outcome.quant == top:
+        return Outcome(outcome.quant, d, outcome.mode, outcome.evaluations + 1, outcome.rounds + 1, payload)
+    [(d_top, payload_top)] = checker([top])
+    if d_top < d or d_top <= epsilon:
+        return Outcome(top, d_top, "guarded", outcome.evaluations + 2, outcome.rounds + 2, payload_top)
+    return Outcome(outcome.quant, d, "guarded", outcome.evaluations + 2, outcome.rounds + 2, payload)
 
 
 def _check_eval_fn(evaluator: Evaluator, budget: float) -> None:
