@@ -169,6 +169,10 @@ def main(argv=None):
         rows[name] = r
         print(f"{name}: {work.metric} {r['quality'][0]:.4f} ({r['degradation'][0]:+.2%}; noise {noise:.2%}), params "
               f"{r['params_ratio']:.1f}x, whole {r['whole_ratio']:.1f}x, {r['seconds']:.0f} s", flush=True)
+        if args.out:  # after every method: a long run stopped early keeps what it measured (--merge reads it)
+            with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+                json.dump(dict(command=f"python benchmarks/bench_fidelity.py {' '.join(sys.argv[1:])}",
+                               failures=failures, noise=noise, references=refs, rows=rows), f, default=str)
 
     cmd = f"python benchmarks/bench_fidelity.py {' '.join(sys.argv[1:] if argv is None else argv)}".rstrip()
     if args.merge:

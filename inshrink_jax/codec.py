@@ -13,7 +13,7 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 zeros has an order-0 entropy near 0.25 bit per symbol, which coded run lengths approach
                 (tests/test_codec.py, benchmarks/results/delta.md).
   "zstd-packed" for uint8 streams of small values (closed-loop residual codes: 2-4 levels): one header byte
-                w (1, 2 or 4), then zstandard of the values packed w bits each, 8 / w per byte (first value in
+                w (1, 2 or 4) and the value count (little-endian uint64), then zstandard of the values packed w bits each, 8 / w per byte (first value in
                 the low bits). zstd's Huffman literals cost at least 1 bit per byte; packed, that floor is
                 1 bit per 8 / w values, so a 2-level stream costs 1 bit per value, not 1.3-2.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
@@ -76,7 +76,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         padded[:arr.size] = arr
         shifts = (np.arange(per, dtype=np.uint8) * width)[None, :]
         packed = np.bitwise_or.reduce(padded.reshape(-1, per) << shifts, axis=1).astype(np.uint8)
-        return bytes([width]) + compress(packed, ZSTD, level)
+        return bytes([width]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
     elif codec == ZSTD:
         buf = _bytes_view(data)
     else:
@@ -139,12 +139,14 @@ def _zstd(blob: bytes, limit: int) -> bytes:
 
 
 def _decompress_packed(blob: bytes, size: int) -> bytes:
-    if len(blob) < 1 or blob[0] not in _PACK_WIDTHS:
-        raise CodecError("zstd-packed stream has no valid width byte")
-    width = blob[0]
+    if len(blob) < 9 or blob[0] not in _PACK_WIDTHS:
+        raise CodecError("zstd-packed stream has no valid width byte and count")
+    width, count = blob[0], int(np.frombuffer(blob[1:9], "<u8")[0])
+    if count != size:
+        raise CodecError(f"zstd-packed header states {count} values; expected {size}")
     per = 8 // width
     nbytes = -(-size // per)
-    packed = np.frombuffer(_zstd(blob[1:], nbytes), np.uint8)
+    packed = np.frombuffer(_zstd(blob[9:], nbytes), np.uint8)
     if packed.size != nbytes:
         raise CodecError(f"zstd-packed stream holds {packed.size} bytes, expected {nbytes} for {size} values")
     shifts = (np.arange(per, dtype=np.uint8) * width)[None, :]

@@ -223,3 +223,20 @@ def test_eval_fn_outcomes_at_residual_saves_and_recovery_across_a_resume(tmp_pat
     fig = resumed.item_metadata(3)
     assert fig["search"]["coding"] == "residual" and fig["quant"] is not None and fig["kind"] == "delta"
     assert [o.id for o, _ in store.Reader(tmp_path / "3" / "default").links("['w']")] == ["2.0", "3.0"]
+
+
+def test_residual_levels_fit_a_peaked_residual():
+    """A residual that is 0 for most weights (inputs that are always 0 get no gradient) with long tails: its
+    levels are weighted by count, so even 2 levels leave less error than storing no residual (the paper's
+    |value| weighting put both levels in the tails: many times the residual's energy as error)."""
+    rng = np.random.default_rng(8)
+    base = jnp.asarray(rng.normal(size=(512, 128)).astype(np.float32) * 0.05)
+    change = np.where(rng.random(base.shape) < 0.1, rng.standard_t(2, size=base.shape) * 0.01, 0.0)
+    w = base + jnp.asarray(change.astype(np.float32))
+    cfg = ij.CompressionConfig()
+    for bins in (2, 3, 8):
+        (dev,) = ij.quantize.encode_on_device([w], [None], ["dense"], ij.QuantConfig(bins=bins, protect_fraction=0.0),
+                                              cfg, offsets=[base], sigma=ij.quantize.RESIDUAL_SIGMA)
+        err = float(ij.search.proxy_degradation([w], [dev.dequantize(w.dtype)], [None], [base]))
+        assert err < 1.0, (bins, err)
+    assert err < 0.2  # 8 levels

@@ -51,7 +51,29 @@ def test_unknown_codec_is_refused():
         codec.decompress(b"", "lz4", 0)
 
 
-@pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_PLANES])
+@hypothesis.given(st.integers(0, 3000), st.integers(1, 15), st.integers(0, 2**31 - 1))
+def test_packed_small_values_round_trip(n, top, seed):
+    a = np.random.default_rng(seed).integers(0, top + 1, n).astype(np.uint8)
+    blob = codec.compress(a, codec.ZSTD_PACKED, codec.CODE_LEVEL)
+    np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, codec.ZSTD_PACKED, n), np.uint8), a)
+
+
+def test_packing_reaches_one_bit_per_two_level_code():
+    """zstd's Huffman literals cost >= 1 bit per byte; packed, a balanced 2-level code stream costs ~1 bit per
+    code (closed-loop residuals), and compress_best picks it."""
+    a = np.random.default_rng(0).integers(1, 3, 100_000).astype(np.uint8)
+    blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
+    assert used == codec.ZSTD_PACKED and len(blob) <= 1.01 * codec.order0_entropy_bytes(a) + 64
+    assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.4 * len(blob)
+
+
+def test_a_packed_stream_with_a_bad_width_is_refused():
+    blob = codec.compress(np.ones(100, np.uint8), codec.ZSTD_PACKED)
+    with pytest.raises(codec.CodecError, match="width"):
+        codec.decompress(b"\x03" + blob[1:], codec.ZSTD_PACKED, 100)
+
+
+@pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_PLANES, codec.ZSTD_PACKED])
 def test_a_stream_of_another_size_is_refused_before_allocating(which):
     a = np.zeros(4096, np.uint8)
     a[::5] = 7
