@@ -26,6 +26,8 @@ Methods (baselines.py has the baseline formats):
   inshrink-0.05, inshrink-0.01    inshrink_jax defaults (search on, optimizer state dropped) at that epsilon;
                                   the eval_fn is the held-out loss
   inshrink-acc-0.05, -acc-0.01    the same with the held-out accuracy as the eval_fn (higher_is_better=True)
+  exact-drop, exact-dropmu        parameters stored losslessly, Adam's moments dropped (both, or mu only): what
+                                  the optimizer policy alone costs
   inshrink-opt-POLICY             epsilon 0.05 with optimizer=POLICY (lossless, quantize, quantize8 = 8 moment
                                   levels per sign, drop-mu = nu quantized and mu dropped by a policy rule)
 
@@ -67,8 +69,14 @@ OPT_POLICIES = {
     "quantize8": dict(optimizer="quantize", moment_bins=8),
     "drop-mu": dict(optimizer="quantize", policy_rules=((r"\.mu\b", "drop"),)),
 }
+# The weights stored exactly, to measure what an optimizer policy alone costs.
+EXACT = {
+    "exact-drop": dict(policy_rules=((r"^\.params", "lossless"),), optimizer="drop"),
+    "exact-dropmu": dict(policy_rules=((r"\.mu\b", "drop"), (r"\.nu\b", "lossless"), (r"^\.params", "lossless")),
+                         optimizer="lossless"),
+}
 METHODS = (["orbax", "bf16", "qd8", "cnr4", "excp", "inshrink-0.05", "inshrink-0.01", "inshrink-acc-0.05", "inshrink-acc-0.01"]
-           + [f"inshrink-opt-{p}" for p in OPT_POLICIES])
+           + [f"inshrink-opt-{p}" for p in OPT_POLICIES] + list(EXACT))
 
 
 class Mnist:
@@ -184,6 +192,8 @@ class Baseline:
 
 
 def method(name: str):
+    if name in EXACT:
+        return Inshrink(name, 0.05, **EXACT[name])
     if name.startswith("inshrink-opt-"):
         return Inshrink(name, 0.05, **OPT_POLICIES[name[len("inshrink-opt-"):]])
     if name.startswith("inshrink-acc-"):

@@ -153,7 +153,8 @@ class CompressionConfig:
         counter `count` beside a dropped `nu` is dropped with it, so Adam's bias correction restarts with its
         moments) or "lossless" (bit-exact). Not "drop" by default: with the weights restored exactly, dropping
         Adam's moments at 10 restores of a character transformer ended +2.3% in loss (dropping only `mu`:
-        +1.6%), against a run-to-run noise of 0.8% (docs/results.md).
+        +1.6%), a consistent loss though inside that model's three-seed noise of 3.75%
+        (benchmarks/results/fault_tolerance_charlm_exact.md).
       moment_bins: log-magnitude levels per sign of a quantized moment (in [2, 127]).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
         before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
