@@ -19,12 +19,14 @@ no checkpoints); a method is "within noise" when its degradation is at most that
 
 Methods: inshrink (the default configuration: CompressionConfig() with a GradientEMA and the eval_fn),
 inshrink-rb<B> (residual_budget=B, the closed-loop size knob), inshrink-open (the paper's open-loop saves,
-closed_loop=False), and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
+closed_loop=False), inshrink[key=value;...] (any CompressionConfig
+fields, e.g. 'inshrink[moment_bins=4]'), and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import pickle
@@ -84,7 +86,34 @@ def method(name: str):
         return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, closed_loop=False)
     if name.startswith("inshrink-rb"):
         return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, residual_budget=float(name[len("inshrink-rb"):]))
+    if name.startswith("inshrink[") and name.endswith("]"):
+        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, **overrides(name[len("inshrink["):-1]))
     return ft.Baseline(name)
+
+
+def overrides(spec: str) -> dict:
+    """`key=value;key=value` (Python literals) as CompressionConfig fields, e.g. `moment_bins=4`."""
+    out = {}
+    for item in filter(None, spec.split(";")):
+        key, _, value = item.partition("=")
+        out[key.strip()] = ast.literal_eval(value.strip())
+    return out
+
+
+def method_name(name: str) -> str:
+    """argparse type of --methods: a listed method or `inshrink[key=value;...]` (any CompressionConfig fields)."""
+    if name in METHODS:
+        return name
+    if name.startswith("inshrink[") and name.endswith("]"):
+        ft.ij.CompressionConfig(**overrides(name[len("inshrink["):-1]))  # a bad field fails here, not mid-run
+        return name
+    raise argparse.ArgumentTypeError(f"unknown method {name!r}: one of {', '.join(METHODS)} or "
+                                     "inshrink[key=value;...] with CompressionConfig fields")
+
+
+def spike(r: dict) -> str:
+    """The paired training-loss figure of a row ('' for rows measured before it was recorded)."""
+    return f"{r['spike']:+.2%}" if "spike" in r else ""
 
 
 def frontier_plot(rows: dict, noise: float, work, path: str):
@@ -116,7 +145,7 @@ def frontier_plot(rows: dict, noise: float, work, path: str):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="charlm")
-    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=METHODS, type=method_name)
     ap.add_argument("--failures", type=int, default=10)
     ap.add_argument("--out", default=None, help="markdown table; the frontier plot (.png) and figures (.json) beside")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -166,6 +195,7 @@ def main(argv=None):
     for name in [] if args.merge else args.methods:
         r = ft.run(method(name), work, steps, every, failures)
         r["degradation"] = degradation(r["quality"])
+        r["spike"] = sum(r["after"].values()) / sum(ref["losses"][int(k)] for k in r["after"]) - 1
         rows[name] = r
         print(f"{name}: {work.metric} {r['quality'][0]:.4f} ({r['degradation'][0]:+.2%}; noise {noise:.2%}), params "
               f"{r['params_ratio']:.1f}x, whole {r['whole_ratio']:.1f}x, {r['seconds']:.0f} s", flush=True)
@@ -187,14 +217,16 @@ def main(argv=None):
              "largest |relative difference| from seed 0).", "",
              "Ratios: raw bytes / stored bytes summed over every save (params: parameter segments, baselines: the "
              "params item; whole: raw parameters + optimizer state + step against every byte written). "
-             "Degradation: relative to seed 0, + is worse.", "",
+             "Degradation: relative to seed 0, + is worse. Training loss after resumes: mean training loss of the "
+             f"{ft.RESUME_WINDOW} steps after each resume against seed 0's on the same batches (paired: far less "
+             "noisy than the final quality).", "",
              f"| method | params ratio | whole ratio | final {work.metric} | degradation | within noise | "
-             "bytes written | restore s (all) | overhead blocking | run s |",
-             "|---|---:|---:|---:|---:|:-:|---:|---:|---:|---:|"]
+             "training loss after resumes | bytes written | restore s (all) | overhead blocking | run s |",
+             "|---|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
         d = r["degradation"][0]
         lines.append(f"| {name} | {r['params_ratio']:.1f}x | **{r['whole_ratio']:.1f}x** | {r['quality'][0]:.4f} | "
-                     f"**{d:+.2%}** | {'yes' if d <= noise else 'no'} | {r['written']:,d} | "
+                     f"**{d:+.2%}** | {'yes' if d <= noise else 'no'} | {spike(r)} | {r['written']:,d} | "
                      f"{r['restore_s']:.1f} | {r['blocking'] / ref['seconds']:.1%} | {r['seconds']:.0f} |")
     ours = {n: r for n, r in rows.items() if n.startswith("inshrink")}
     base = {n: r for n, r in rows.items() if not n.startswith("inshrink")}

@@ -16,6 +16,12 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 w (1, 2 or 4) and the value count (little-endian uint64), then zstandard of the values packed w bits each, 8 / w per byte (first value in
                 the low bits). zstd's Huffman literals cost at least 1 bit per byte; packed, that floor is
                 1 bit per 8 / w values, so a 2-level stream costs 1 bit per value, not 1.3-2.
+  "zstd-radix"  for uint8 streams of values below b <= 16 (the code streams of few levels): one header byte b and
+                the value count (little-endian uint64), then zstandard of the values packed n = floor(log_b 256)
+                to a byte as digits in base b (first value least significant): 8 values to a byte for b = 2,
+                5 for b = 3, 3 for b = 5 or 6, 2 up to 16. zstd's Huffman literals then code blocks of n
+                values, whose redundancy over the order-0 entropy is shared by n values instead of paid by
+                each (written instead of "zstd-packed", which is read for checkpoints that have it).
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -29,6 +35,7 @@ ZSTD = "zstd"
 ZSTD_PLANES = "zstd-planes"
 ZSTD_RLE = "zstd-rle"
 ZSTD_PACKED = "zstd-packed"
+ZSTD_RADIX = "zstd-radix"
 RAW = "raw"
 _PACK_WIDTHS = (1, 2, 4)
 DEFAULT_LEVEL = 3
@@ -36,7 +43,7 @@ DEFAULT_LEVEL = 3
 # level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
 # 1.18x vs 1.28x H0 on 8-level codes of a real training trace; run lengths take its deltas from 1.73x to
 # 1.11x H0 (benchmarks/results/delta.md).
-CODE_CODECS = (ZSTD, ZSTD_RLE, ZSTD_PACKED)
+CODE_CODECS = (ZSTD, ZSTD_RLE, ZSTD_RADIX)
 CODE_LEVEL = 1
 # Lossless float data: byte planes win on trained weights (their exponent bytes repeat), plain zstd (what Orbax
 # stores) where whole values repeat; taking the smaller costs a second pass and is never larger than either.
@@ -77,12 +84,34 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         shifts = (np.arange(per, dtype=np.uint8) * width)[None, :]
         packed = np.bitwise_or.reduce(padded.reshape(-1, per) << shifts, axis=1).astype(np.uint8)
         return bytes([width]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
+    elif codec == ZSTD_RADIX:
+        arr = _bytes_view(data)
+        base = max(int(arr.max()) + 1 if arr.size else 2, 2)
+        if base > _RADIX_MAX:
+            return b"\xff" * (arr.size + 2)  # one value a byte: plain zstd; never the smallest (compress_best)
+        per = _radix_digits(base)
+        padded = np.zeros(-(-arr.size // per) * per, np.uint8)
+        padded[:arr.size] = arr
+        weights = (base ** np.arange(per)).astype(np.uint16)
+        packed = (padded.reshape(-1, per).astype(np.uint16) @ weights).astype(np.uint8)
+        return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
     elif codec == ZSTD:
         buf = _bytes_view(data)
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_PACKED!r}")
+                         f"{ZSTD_PACKED!r}, {ZSTD_RADIX!r}")
     return zstandard.ZstdCompressor(level=level).compress(buf)
+
+
+_RADIX_MAX = 16  # the largest base that still packs two values to a byte
+
+
+def _radix_digits(base: int) -> int:
+    """Values of `base` (2..16) packed to one byte: the largest n with base**n <= 256."""
+    n = 1
+    while base ** (n + 1) <= 256:
+        n += 1
+    return n
 
 
 def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
@@ -103,15 +132,17 @@ class CodecError(ValueError):
 def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
     """Inverse of `compress`: exactly `size` bytes, or CodecError (nothing larger is ever allocated, whatever
     the stream's own header claims); `itemsize` is the element size the planes were split by (zstd-planes)."""
-    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_PACKED):
+    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_PACKED, ZSTD_RADIX):
         raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_PACKED!r}")
+                         f"{ZSTD_PACKED!r}, {ZSTD_RADIX!r}")
     if codec == RAW:
         out = bytes(blob)
     elif codec == ZSTD_RLE:
         out = _decompress_rle(blob, size)
     elif codec == ZSTD_PACKED:
         out = _decompress_packed(blob, size)
+    elif codec == ZSTD_RADIX:
+        out = _decompress_radix(blob, size)
     else:
         out = _zstd(blob, size)
     if len(out) != size:
@@ -152,6 +183,23 @@ def _decompress_packed(blob: bytes, size: int) -> bytes:
     shifts = (np.arange(per, dtype=np.uint8) * width)[None, :]
     values = (packed[:, None] >> shifts) & np.uint8((1 << width) - 1)
     return values.reshape(-1)[:size].tobytes()
+
+
+def _decompress_radix(blob: bytes, size: int) -> bytes:
+    if len(blob) < 9 or not 2 <= blob[0] <= _RADIX_MAX:
+        raise CodecError("zstd-radix stream has no valid base byte and count")
+    base, count = blob[0], int(np.frombuffer(blob[1:9], "<u8")[0])
+    if count != size:
+        raise CodecError(f"zstd-radix header states {count} values; expected {size}")
+    per = _radix_digits(base)
+    nbytes = -(-size // per)
+    packed = np.frombuffer(_zstd(blob[9:], nbytes), np.uint8)
+    if packed.size != nbytes:
+        raise CodecError(f"zstd-radix stream holds {packed.size} bytes, expected {nbytes} for {size} values")
+    if packed.size and int(packed.max()) >= base ** per:
+        raise CodecError(f"zstd-radix byte {int(packed.max())} is not {per} digits in base {base}")
+    values = (packed[:, None] // (base ** np.arange(per, dtype=np.int64))[None, :]) % base
+    return values.astype(np.uint8).reshape(-1)[:size].tobytes()
 
 
 def _decompress_rle(blob: bytes, size: int) -> bytes:

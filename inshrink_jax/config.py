@@ -155,7 +155,8 @@ class CompressionConfig:
         Adam's moments at 10 restores of a character transformer ended +2.3% in loss (dropping only `mu`:
         +1.6%), a consistent loss though inside that model's three-seed noise of 3.75%
         (benchmarks/results/fault_tolerance_charlm_exact.md).
-      moment_bins: log-magnitude levels per sign of a quantized moment (in [2, 127]).
+      moment_bins: log-magnitude levels of a quantized second moment (`nu`; in [2, 127]).
+      first_moment_bins: log-magnitude levels per sign of a quantized first moment (`mu`, `trace`; in [2, 127]).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
         before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
         everything else: "lossless"); e.g. ((r"\.nu\b", "quantize"), (r"\.mu\b", "drop")) or
@@ -186,6 +187,7 @@ class CompressionConfig:
     quant: QuantConfig = QuantConfig()
     optimizer: str = "quantize"
     moment_bins: int = 16
+    first_moment_bins: int = 16
     policy_rules: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -203,6 +205,7 @@ class CompressionConfig:
             _real(name, getattr(self, name), lo, hi, closed)
         for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),
                              ("keyframe_every", 1, None), ("search_batch", 1, None), ("moment_bins", 2, 127),
+                             ("first_moment_bins", 2, 127),
                              ("seed", None, None)):
             _integer(name, getattr(self, name), lo, hi)
         for name in ("search", "higher_is_better", "closed_loop"):

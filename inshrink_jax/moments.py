@@ -10,7 +10,7 @@ makes a huge update. So a moment is quantized in the log domain, per tensor:
     codes K+1 .. 2K   positive values, level 0 (smallest |m|) first
     code 2K + 1       a non-finite value, stored exactly (the weights' "protected" code)
 
-K = `CompressionConfig.moment_bins` levels, shared by both signs, are the centres of weighted k-means
+K levels (`CompressionConfig.first_moment_bins` for a first moment, `moment_bins` for a second), shared by both signs, are the centres of weighted k-means
 (kmeans.py) on log|m| over the log-bucket histogram of |m| (sketch.py: its buckets are uniform in log|m|, so it
 *is* the log-domain histogram), weighted by count only. A value takes the level nearest in log|m|, so its
 relative error is bounded by the gap between two neighbouring levels, never by the tensor's range.
@@ -85,7 +85,7 @@ def _encode_moments(ms, weight_codes, key, *, bins, spec, iters, tol, restarts, 
 
 
 def encode_on_device(ms: Sequence[jax.Array], weight_codes: Sequence[jax.Array | None], cfg: CompressionConfig,
-                     key: jax.Array | None = None) -> list[DeviceCodes]:
+                     key: jax.Array | None = None, first: Sequence[bool] | None = None) -> list[DeviceCodes]:
     """Quantize optimizer moments (see the module docstring), dispatched and not waited for.
 
     Args:
@@ -94,18 +94,26 @@ def encode_on_device(ms: Sequence[jax.Array], weight_codes: Sequence[jax.Array |
         pruned are zeros of the moment), or None.
       cfg: `moment_bins`, and the k-means parameters.
       key: PRNG key for k-means++; defaults to a fold of PRNGKey(cfg.seed).
+      first: for each moment, whether it is a first moment (K = `cfg.first_moment_bins`; otherwise
+        `cfg.moment_bins`); None: all second moments.
 
     Returns:
       One `DeviceCodes` per moment whose `centres` is the 2K-entry value table and whose `bins` is 2K.
     """
-    if len(ms) != len(weight_codes):
-        raise ValueError("moments.encode_on_device needs one weight-codes array (or None) per moment")
-    if not ms:
-        return []
+    first = [False] * len(ms) if first is None else list(first)
+    if not len(ms) == len(weight_codes) == len(first):
+        raise ValueError("moments.encode_on_device needs one weight-codes array (or None) and one first-moment "
+                         "flag per moment")
     key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
-    codes, tables, in_place = _encode_moments(
-        list(ms), list(weight_codes), key, bins=cfg.moment_bins, spec=sketch.SketchSpec(cfg.alpha),
-        iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
-        dtypes=tuple(jnp.dtype(m.dtype) for m in ms))
-    n = table_size(cfg.moment_bins)
-    return [DeviceCodes(c, t, v, n) for c, t, v in zip(codes, tables, in_place)]
+    out: list[DeviceCodes | None] = [None] * len(ms)
+    for group, bins in ((False, cfg.moment_bins), (True, cfg.first_moment_bins)):
+        idx = [i for i, f in enumerate(first) if f == group]
+        if not idx:
+            continue
+        codes, tables, in_place = _encode_moments(
+            [ms[i] for i in idx], [weight_codes[i] for i in idx], jax.random.fold_in(key, int(group)), bins=bins,
+            spec=sketch.SketchSpec(cfg.alpha), iters=cfg.kmeans_iters, tol=cfg.kmeans_tol,
+            restarts=cfg.kmeans_restarts, dtypes=tuple(jnp.dtype(ms[i].dtype) for i in idx))
+        for i, c, t, v in zip(idx, codes, tables, in_place):
+            out[i] = DeviceCodes(c, t, v, table_size(bins))
+    return out

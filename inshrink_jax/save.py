@@ -272,7 +272,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     # its previous value, not a zero).
     prune = [devs[k].codes if k is not None and first and devs[k].offset is None else None
              for k, first in zip(p.owners if weights else [None] * len(p.moments), p.first)]
-    devs = list(devs) + moments.encode_on_device([p.leaves[i] for i in p.moments], prune, cfg)
+    devs = list(devs) + moments.encode_on_device([p.leaves[i] for i in p.moments], prune, cfg, first=p.first)
     quantized = list(weights) + list(p.moments)
     shards = _device_shards(quantized, [p.leaves[i] for i in quantized], devs)
     shards += _lossless_shards(p.leaves, recs, primary)
@@ -354,7 +354,8 @@ def config_json(cfg: CompressionConfig) -> dict:
 
 # --------------------------------------------------------------------------------------------------- write
 def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_every: int, prior: str | None):
-    """(segments, chain link or None) of one shard: host copy, delta against the previous codes (open loop) or
+    """(segments, chain link or None) of one shard: host copy, codes or their delta against the previous codes
+    (open loop, whichever is smaller) or
     the link's levels and prior (closed loop), entropy coding."""
     if not isinstance(payload, tuple):
         return {"data": (*codec.compress_best(payload, codec.LOSSLESS_CODECS), {})}, None
@@ -365,15 +366,18 @@ def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_ev
         extra = {"prior": prior, "levels": [float(c) for c in enc.centres]}
         return {"codes": (*codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
                 "protected": protected}, None
+    # The codes on their own (a keyframe shard), or their delta against the previous save's (a delta shard),
+    # whichever codes smaller: a tensor whose codes change little (weights, second moments) takes the delta, one
+    # that is new at every save (a first moment: Adam's mu forgets within ~10 steps) its own codes, which also
+    # ends the shard's chain there.
+    codes, extra, depth = codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL), {}, 0
     prev = chain.codes.get((rec.keystr, store.box_key(box)))
     if prev is not None and prev[0].shape == enc.codes.shape and prev[2] + 1 < keyframe_every:
         b = delta.modulus(prev[1], enc.bins)
-        stream, extra, depth = delta.encode(prev[0], enc.codes, b), {"base": chain.object_id, "modulus": b}, prev[2] + 1
-    else:
-        stream, extra, depth = enc.codes, {}, 0
-    segments = {"codes": (*codec.compress_best(stream, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
-                "protected": protected}
-    return segments, (enc.codes, enc.bins, depth)
+        stream = codec.compress_best(delta.encode(prev[0], enc.codes, b), codec.CODE_CODECS, codec.CODE_LEVEL)
+        if len(stream[0]) < len(codes[0]):
+            codes, extra, depth = stream, {"base": chain.object_id, "modulus": b}, prev[2] + 1
+    return {"codes": (*codes, extra), "protected": protected}, (enc.codes, enc.bins, depth)
 
 
 def write(d: Dispatched, directory, object_id: str, chain: ItemState, cfg: CompressionConfig,

@@ -58,13 +58,40 @@ def test_packed_small_values_round_trip(n, top, seed):
     np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, codec.ZSTD_PACKED, n), np.uint8), a)
 
 
-def test_packing_reaches_one_bit_per_two_level_code():
-    """zstd's Huffman literals cost >= 1 bit per byte; packed, a balanced 2-level code stream costs ~1 bit per
-    code (closed-loop residuals), and compress_best picks it."""
+@hypothesis.given(st.integers(0, 3000), st.integers(0, 15), st.integers(0, 2**31 - 1))
+def test_radix_small_values_round_trip(n, top, seed):
+    a = np.random.default_rng(seed).integers(0, top + 1, n).astype(np.uint8)
+    blob = codec.compress(a, codec.ZSTD_RADIX, codec.CODE_LEVEL)
+    np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, codec.ZSTD_RADIX, n), np.uint8), a)
+
+
+def test_radix_reaches_one_bit_per_two_level_code():
+    """zstd's Huffman literals cost >= 1 bit per byte; packed in base 3, a balanced 2-level code stream costs ~1
+    bit per code (closed-loop residuals), and compress_best picks it."""
     a = np.random.default_rng(0).integers(1, 3, 100_000).astype(np.uint8)
     blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
-    assert used == codec.ZSTD_PACKED and len(blob) <= 1.01 * codec.order0_entropy_bytes(a) + 64
+    assert used == codec.ZSTD_RADIX and len(blob) <= 1.01 * codec.order0_entropy_bytes(a) + 64
     assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.4 * len(blob)
+
+
+@pytest.mark.parametrize("p", [[0.05, 0.3, 0.3, 0.3, 0.05], [0.02, 0.4, 0.08, 0.08, 0.4, 0.02]])
+def test_radix_codes_a_few_level_stream_within_4_percent_of_its_entropy(p):
+    """Skewed memoryless code streams of 5-6 symbols (a first moment at 2 levels per sign, a residual at 4):
+    Huffman on one symbol a byte pays up to ~0.2 bit per symbol over the entropy; three to a byte share it."""
+    a = np.random.default_rng(1).choice(len(p), 200_000, p=p).astype(np.uint8)
+    h0 = codec.order0_entropy_bytes(a)
+    blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
+    assert used == codec.ZSTD_RADIX and len(blob) <= 1.04 * h0
+    assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.07 * h0
+
+
+def test_a_radix_stream_with_a_bad_base_or_digit_is_refused():
+    blob = codec.compress(np.array([0, 1, 2, 3, 4, 5] * 50, np.uint8), codec.ZSTD_RADIX)
+    with pytest.raises(codec.CodecError, match="base"):
+        codec.decompress(b"\x11" + blob[1:], codec.ZSTD_RADIX, 300)
+    forged = bytes([6]) + blob[1:9] + codec.compress(np.full(100, 250, np.uint8), codec.ZSTD)  # 250 >= 6**3
+    with pytest.raises(codec.CodecError, match="digits"):
+        codec.decompress(forged, codec.ZSTD_RADIX, 300)
 
 
 def test_a_packed_stream_with_a_bad_width_is_refused():
@@ -73,7 +100,8 @@ def test_a_packed_stream_with_a_bad_width_is_refused():
         codec.decompress(b"\x03" + blob[1:], codec.ZSTD_PACKED, 100)
 
 
-@pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_PLANES, codec.ZSTD_PACKED])
+@pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_PLANES, codec.ZSTD_PACKED,
+                                   codec.ZSTD_RADIX])
 def test_a_stream_of_another_size_is_refused_before_allocating(which):
     a = np.zeros(4096, np.uint8)
     a[::5] = 7

@@ -125,6 +125,19 @@ def test_quantize_policy_keeps_zeros_signs_and_prunes_first_moments(tmp_path, tr
     assert fig["ratio"]["optimizer"] > 4 and fig["ratio"]["total"] > fig["ratio"]["optimizer"] / 2
 
 
+def test_first_and_second_moments_take_their_own_level_counts(tmp_path, trained):
+    state, grads, _ = trained
+    r, _ = save_restore(tmp_path, state, grads, optimizer="quantize", first_moment_bins=3, moment_bins=5)
+    quantized = 0
+    for mu_r, nu_r, w in zip(jax.tree.leaves(adam(r).mu), jax.tree.leaves(adam(r).nu), jax.tree.leaves(r.params)):
+        if w.ndim >= 2 and w.size >= 1024:
+            quantized += 1
+            mu_r, nu_r = np.asarray(mu_r), np.asarray(nu_r)
+            assert np.unique(np.abs(mu_r[mu_r != 0])).size == 3  # levels per sign, shared by both signs
+            assert np.unique(nu_r[nu_r != 0]).size == 5
+    assert quantized == 3
+
+
 def train(state, stream, steps):
     losses = []
     for _ in range(steps):
