@@ -154,6 +154,12 @@ def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
     return out
 
 
+def decompress_bounded(blob: bytes, limit: int) -> bytes:
+    """One zstandard frame of at most `limit` bytes whose size is not known in advance (records), or
+    CodecError; nothing over `limit` is allocated."""
+    return _zstd(blob, limit)
+
+
 def _zstd(blob: bytes, limit: int) -> bytes:
     """A zstandard frame of at most `limit` bytes; its header's content size is checked before anything is
     allocated by it."""

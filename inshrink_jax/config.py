@@ -187,7 +187,7 @@ class CompressionConfig:
     quant: QuantConfig = QuantConfig()
     optimizer: str = "quantize"
     moment_bins: int = 16
-    first_moment_bins: int = 16
+    first_moment_bins: int = 2
     policy_rules: tuple[tuple[str, str], ...] = ()
 
     @property

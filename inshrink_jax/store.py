@@ -138,11 +138,25 @@ def _canonical(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
+# Records over this size are written as one zstandard frame of their JSON (format 8): a manifest and an offset
+# table repeat every leaf's key path, sharding and level table at every save, 80 KB a save for a 60-leaf model,
+# a fifth of what a closed-loop save of a 440k-parameter transformer writes; zstd takes them to about a sixth.
+# Smaller ones (commit records, small states) stay plain JSON. A reader tells them apart by zstd's magic number.
+JSON_ZSTD_OVER = 4096
+# A record that decompresses to more than this, or to more than JSON_ZSTD_RATIO times its stored bytes, is refused
+# before it is allocated (the manifests of real states compress 5-10x: their level tables are random floats).
+MAX_JSON_BYTES = 1 << 30
+JSON_ZSTD_RATIO = 256
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 def write_json(path, obj) -> bytes:
-    """Write `obj` as JSON with a CRC32 of its canonical form, so any changed byte is detected on read.
-    Returns the bytes written."""
+    """Write `obj` as JSON with a CRC32 of its canonical form, so any changed byte is detected on read; over
+    `JSON_ZSTD_OVER` bytes, zstandard-coded. Returns the bytes written."""
     body = _canonical(obj)
     raw = b'{"crc32":%d,"body":' % crc32(body) + body + b"}"
+    if len(raw) > JSON_ZSTD_OVER:
+        raw = codec.compress(raw, codec.ZSTD)
     epath.Path(path).write_bytes(raw)
     return raw
 
@@ -154,10 +168,12 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
     except FileNotFoundError:
         raise _missing(directory, f"{what} {path}") from None
     try:
-        wrapped = json.loads(raw)
+        text = (codec.decompress_bounded(raw, min(MAX_JSON_BYTES, JSON_ZSTD_RATIO * len(raw)))
+                if raw[:4] == _ZSTD_MAGIC else raw)
+        wrapped = json.loads(text)
         body = wrapped["body"]
         ok = crc32(_canonical(body)) == wrapped["crc32"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError, codec.CodecError):
         ok = False
     if not ok:
         raise CheckpointCorruptError(f"{describe(directory)}: {what} {path} is truncated or corrupted "

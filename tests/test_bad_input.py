@@ -193,3 +193,24 @@ def test_codes_above_the_levels_of_a_leaf_are_an_error(tmp_path):
     with pytest.raises(ij.CheckpointCorruptError, match="holds code .*above"):
         ij.InshrinkCheckpointHandler().restore(tmp_path / "0" / "default", ij.InshrinkRestore())
     assert cli.main(["verify", str(tmp_path)]) == 1
+
+
+def test_large_records_are_zstd_coded_and_a_forged_one_is_a_named_error(tmp_path):
+    """A manifest over JSON_ZSTD_OVER bytes is stored as one zstandard frame of its JSON and reads back; a frame
+    that claims more than its ratio bound, or does not decode, is CheckpointCorruptError naming the step."""
+    from inshrink_jax import store
+
+    tree = {f"w{i}": jnp.full((64, 32), i, jnp.int32) for i in range(40)}  # lossless: compared exactly
+    r, _ = save_restore(tmp_path, tree)
+    step = tmp_path / "0" / "default"
+    raw = (step / store.MANIFEST).read_bytes()
+    assert raw[:4] == b"\x28\xb5\x2f\xfd"
+    body, _ = store.read_json(step / store.MANIFEST, "manifest", step)
+    assert len(store._canonical(body)) > 4 * len(raw)  # the repeated key paths and shardings code small
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, r), jax.tree.map(np.asarray, tree))
+    import zstandard
+    bomb = zstandard.ZstdCompressor().compress(b"{" + b" " * (store.JSON_ZSTD_RATIO * 200) + b"}")
+    for forged in (bomb, raw[:-7]):
+        (step / store.MANIFEST).write_bytes(forged)
+        with pytest.raises(ij.CheckpointCorruptError, match=r"step 0.*manifest.*corrupted"):
+            ij.InshrinkCheckpointHandler().restore(step, ij.InshrinkRestore())
