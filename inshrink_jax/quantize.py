@@ -354,6 +354,10 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None) -> 
     positions = _padded(pos, enc.codes.size)  # padding points past the end: dropped by the scatter
     values = np.zeros(positions.shape, enc.protected.dtype)
     values[: pos.size] = enc.protected
+    # Centres padded with zeros to a size class (no valid code reaches the padding: codes above the protected
+    # code are refused when read), so the decoder compiles once per shape, not once per level count.
+    centres = np.zeros(max(8, 1 << int(enc.centres.size - 1).bit_length()), enc.centres.dtype)
+    centres[: enc.centres.size] = enc.centres
     put = functools.partial(jax.device_put, device=device)
-    return _decode(put(enc.codes), put(enc.centres), put(positions), put(values), offset,
+    return _decode(put(enc.codes), put(centres), put(positions), put(values), offset,
                    dtype=jnp.dtype(enc.dtype))
