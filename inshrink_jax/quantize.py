@@ -220,14 +220,6 @@ def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.
                        dtypes=tuple(jnp.dtype(t) for t in dtypes))
 
 
-def _padded(positions: np.ndarray, fill: int) -> np.ndarray:
-    """Pad to the next power of two so jitted gathers/scatters compile once per size class, not per count."""
-    size = 1 << max(int(positions.size - 1).bit_length(), 4)
-    out = np.full(size, fill, np.int32)
-    out[: positions.size] = positions
-    return out
-
-
 def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:
     """Flat row-major positions of the protected weights (host, vectorised)."""
     return np.flatnonzero(codes.reshape(-1) == protected_code(bins)).astype(np.int32)
@@ -332,14 +324,7 @@ def encode_tensors(
     return [to_host(d.codes, d.centres, d.protected_in_place, d.bins, x.dtype) for x, d in zip(xs, devs)]
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _decode(codes, centres, flat_positions, values, offset, *, dtype):
-    work = dtype if offset is None else jnp.float32
-    table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
-    out = table.astype(work)[codes]
-    # Padded positions point past the end and are dropped.
-    r = out.reshape(-1).at[flat_positions].set(values.astype(work), mode="drop").reshape(codes.shape)
-    return r if offset is None else plus_offset(r, offset, dtype)
+_plus_offset = jax.jit(plus_offset, static_argnames=("dtype",))
 
 
 def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None) -> jax.Array:
@@ -351,13 +336,16 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None) -> 
         raise ValueError(
             f"corrupt encoded tensor: {pos.size} protected codes but {enc.protected.size} protected values"
         )
-    positions = _padded(pos, enc.codes.size)  # padding points past the end: dropped by the scatter
-    values = np.zeros(positions.shape, enc.protected.dtype)
-    values[: pos.size] = enc.protected
-    # Centres padded with zeros to a size class (no valid code reaches the padding: codes above the protected
-    # code are refused when read), so the decoder compiles once per shape, not once per level count.
-    centres = np.zeros(max(8, 1 << int(enc.centres.size - 1).bit_length()), enc.centres.dtype)
-    centres[: enc.centres.size] = enc.centres
-    put = functools.partial(jax.device_put, device=device)
-    return _decode(put(enc.codes), put(centres), put(positions), put(values), offset,
-                   dtype=jnp.dtype(enc.dtype))
+    if enc.codes.size and int(enc.codes.max()) > enc.centres.size + 1:
+        raise ValueError(f"corrupt encoded tensor: code {int(enc.codes.max())} is above the protected code "
+                         f"{enc.centres.size + 1} of its {enc.centres.size} levels")
+    # The table lookup and the protected values are exact (no arithmetic): done on the host, so a restore
+    # compiles nothing per leaf shape or level count; only the closed-loop sum runs on the device, in the jitted
+    # formula the save computed its reconstruction with (plus_offset), so the result is bit-identical to it.
+    work = np.dtype(jnp.dtype(enc.dtype)) if offset is None else np.dtype(np.float32)
+    table = np.concatenate([np.zeros(1, enc.centres.dtype), enc.centres, np.zeros(1, enc.centres.dtype)]).astype(work)
+    out = table[enc.codes]
+    out.reshape(-1)[pos] = enc.protected.astype(work)
+    if offset is None:
+        return jax.device_put(out, device)
+    return _plus_offset(jax.device_put(out, device), offset, dtype=jnp.dtype(enc.dtype))
