@@ -354,9 +354,8 @@ def config_json(cfg: CompressionConfig) -> dict:
 
 # --------------------------------------------------------------------------------------------------- write
 def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_every: int, prior: str | None):
-    """(segments, chain link or None) of one shard: host copy, codes or their delta against the previous codes
-    (open loop, whichever is smaller) or
-    the link's levels and prior (closed loop), entropy coding."""
+    """(segments, chain link or None) of one shard: host copy; the codes or their delta against the previous
+    save's, whichever codes smaller (open loop), or the link's levels and prior (closed loop); entropy coding."""
     if not isinstance(payload, tuple):
         return {"data": (*codec.compress_best(payload, codec.LOSSLESS_CODECS), {})}, None
     enc = quantize.to_host(*payload, rec.dtype)
