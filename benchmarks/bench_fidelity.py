@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import pickle
@@ -92,11 +93,15 @@ def method(name: str):
 
 
 def overrides(spec: str) -> dict:
-    """`key=value;key=value` (Python literals) as CompressionConfig fields, e.g. `moment_bins=4`."""
-    out = {}
+    """`key=value;key=value` (Python literals) as CompressionConfig fields, e.g. `moment_bins=4`; a dict for a
+    field whose default is a dataclass replaces those of its fields, e.g. `residual_space={"bins": (3,)}`."""
+    out, defaults = {}, ft.ij.CompressionConfig()
     for item in filter(None, spec.split(";")):
         key, _, value = item.partition("=")
-        out[key.strip()] = ast.literal_eval(value.strip())
+        key, value = key.strip(), ast.literal_eval(value.strip())
+        default = getattr(defaults, key, None)
+        out[key] = (dataclasses.replace(default, **value) if isinstance(value, dict) and
+                    dataclasses.is_dataclass(default) else value)
     return out
 
 
