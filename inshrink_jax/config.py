@@ -158,7 +158,7 @@ class CompressionConfig:
         (benchmarks/results/fault_tolerance_charlm_exact.md).
       moment_bins: log-magnitude levels of a quantized second moment (`nu`; in [2, 127]). 16: a second moment
         scales every update for hundreds of steps; at 8 or 4 levels 1% of a trained transformer's step sizes move
-        by 2.3x or 5.1x (docs/how-it-works.md).
+        by 2.3x or 5.1x (benchmarks/results/moment_error.md).
       first_moment_bins: log-magnitude levels per sign of a quantized first moment (`mu`, `trace`; in [2, 127]).
         2: a first moment is new at every save (so it costs its full entropy each time) and its error fades
         within ~1 / (1 - b1) steps; at 10 restores of a character transformer 2 levels did as well as 16 at 30%
