@@ -1,0 +1,106 @@
+"""Where the bytes of one save go, and what a restore of it costs in a new process.
+
+Usage: python benchmarks/save_breakdown.py [--saves 4] [--config "first_moment_bins=2;..."] [--out FILE]
+(needs the `bench` extra: pip install -e '.[bench]')
+
+Trains the character transformer of bench_fault_tolerance.py (440k parameters, AdamW) with the default
+CompressionConfig (or --config overrides, as bench_fidelity.py's inshrink[...]), a GradientEMA and the held-out
+loss as eval_fn, saving every 30 steps --saves times. Then splits the last save's bytes by leaf group (parameters,
+Adam's mu and nu; quantized or stored exactly) and by file (code and data blobs, manifest, offset table), and
+restores that step without a target in a fresh Python process: wall time and the number of decode kernels it
+compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import orbax.checkpoint as ocp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import bench_fault_tolerance as ft  # noqa: E402
+import bench_fidelity  # noqa: E402
+import digits  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
+import report  # noqa: E402
+
+from inshrink_jax import store  # noqa: E402
+
+RESTORE = """
+import json, sys, time
+import jax, orbax.checkpoint as ocp
+import inshrink_jax as ij
+from inshrink_jax import quantize
+m = ocp.CheckpointManager(sys.argv[1], item_handlers=ij.InshrinkCheckpointHandler())
+t = time.perf_counter()
+jax.block_until_ready(m.restore(int(sys.argv[2]), args=ij.InshrinkRestore()))
+print(json.dumps({"seconds": time.perf_counter() - t, "kernels": quantize._plus_offset._cache_size()}))
+"""
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--saves", type=int, default=4)
+    ap.add_argument("--config", default="", help="CompressionConfig overrides, key=value;key=value")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    cfg = ft.ij.CompressionConfig(**bench_fidelity.overrides(args.config))
+    work = ft.CharLM(0, 600)
+    state = work.create_state()
+    eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+    sens = ft.ij.GradientEMA(every=30)
+    ema = sens.init(state.params)
+    root = tempfile.mkdtemp()
+    mngr = ocp.CheckpointManager(root, item_handlers=ft.ij.InshrinkCheckpointHandler(cfg),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    seen, new = {}, {}
+    for step in range(1, 30 * args.saves + 1):
+        state, _, grads = digits.train_step(state, *work.batch(step))
+        if sens.active(step):
+            ema = sens.update(ema, grads)
+        if step % 30 == 0:
+            mngr.save(step, args=ft.ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
+            mngr.wait_until_finished()
+            now = report.files(root)
+            new, seen = {p: n for p, n in now.items() if seen.get(p) != n}, now
+    mngr.close()
+    last = 30 * args.saves
+    reader = store.Reader(os.path.join(root, str(last), "default"))
+    groups = collections.Counter()
+    for leaf, shards in reader.shards.items():
+        meta = reader.leaves[leaf]
+        who = "mu" if ".mu" in leaf else "nu" if ".nu" in leaf else "parameters" if meta.part == "params" else "other"
+        how = "quantized" if meta.kind == "quantized" else "stored exactly"
+        groups[f"{who}, {how}"] += sum(s.length for _, sh in shards for s in sh.segments.values())
+    files = collections.Counter()
+    for path, n in new.items():
+        name = os.path.basename(path)
+        files[name.split(".")[0] if name.split(".")[0] in ("blob", "data", "index", "manifest") else "other"] += n
+    out = subprocess.run([sys.executable, "-c", RESTORE, root, str(last)], capture_output=True, text=True,
+                         check=True)
+    restored = json.loads(out.stdout.strip().splitlines()[-1])
+    total = sum(new.values())
+    cmd = f"python benchmarks/save_breakdown.py --saves {args.saves}" + \
+        (f" --config '{args.config}'" if args.config else "") + (f" --out {args.out}" if args.out else "")
+    lines = [f"# One save of the character transformer (step {last}), byte by byte", "", f"Command: `{cmd}`", "",
+             f"Configuration: CompressionConfig({args.config.replace(';', ', ')}); {args.saves} saves, one every 30 "
+             f"steps; the last one wrote {total:,} bytes (raw state "
+             f"{ft.nbytes(state.params) + ft.nbytes(state.opt_state) + ft.nbytes(state.step):,}).", "",
+             "| leaf group | segment bytes |", "|---|---:|"]
+    lines += [f"| {k} | {v:,} |" for k, v in sorted(groups.items())]
+    lines += ["", "| file | bytes written |", "|---|---:|"]
+    lines += [f"| {k} | {v:,} |" for k, v in sorted(files.items())]
+    lines += ["", f"Restore of step {last} without a target in a new process: {restored['seconds']:.2f} s, "
+                  f"{restored['kernels']} closed-loop decode kernels compiled."]
+    report.emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
