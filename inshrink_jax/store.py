@@ -139,8 +139,9 @@ def _canonical(obj) -> bytes:
 
 
 # Records over this size are written as one zstandard frame of their JSON (format 8): a manifest and an offset
-# table repeat every leaf's key path, sharding and level table at every save: 81 kB a save for the 117 leaves of
-# a 440k-parameter transformer with Adam, a fifth of what its closed-loop save wrote; zstd takes them to 10 kB.
+# table repeat every leaf's key path, sharding and level table at every save: for the 117 leaves of a
+# 440k-parameter transformer with Adam, as much as a fifth of a closed-loop save; zstd-coded they are 10 kB of
+# its 299 kB (benchmarks/results/save_breakdown.md).
 # Smaller ones (commit records, small states) stay plain JSON. A reader tells them apart by zstd's magic number.
 JSON_ZSTD_OVER = 4096
 # A record that decompresses to more than this, or to more than JSON_ZSTD_RATIO times its stored bytes, is refused
