@@ -130,9 +130,10 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
             out[s] = _summary(os.path.join(root, name, item))
         except store.CheckpointCorruptError as e:
             out[s] = {"error": str(e)}
+    failed = int(any("error" in f for f in out.values()))  # exit 1 when a step cannot be read, as verify does
     if as_json:
         print(json.dumps({str(k): v for k, v in out.items()}, indent=1))
-        return 0
+        return failed
     print(f"{root}: item {item!r}, {len(steps)} step(s)")
     print(f"{'step':>7} {'kind':>8} {'depth':>5} {'stored':>10} {'params':>8} {'optim.':>10} {'whole':>7} "
           f"{'save s':>7}  configuration")
@@ -159,7 +160,7 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
             detail = m["kind"] + (f" ({m['method']}{', residual' if 'base_leaf' in m else ''}, {m['bins']} levels)"
                                   if m["kind"] == "quantized" else "")
             print(f"  {m['keystr']:<60} {detail:<32} {str(m.get('shape', '')):<16} {m.get('dtype', '')}")
-    return 0
+    return failed
 
 
 # -------------------------------------------------------------------------------------------------- verify
@@ -280,34 +281,48 @@ def gc(root: str, item: str | None, apply: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from inshrink_jax import __version__
+
     ap = argparse.ArgumentParser(prog="inshrink-jax", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", action="version", version=f"inshrink-jax {__version__} (reads checkpoint "
+                                                              f"formats {store.OLDEST_READ} to {store.FORMAT_VERSION})")
     sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="steps, keyframes and deltas, bytes per part, ratios, config, timings")
-    p.add_argument("path")
-    p.add_argument("--step", type=int)
-    p.add_argument("--item")
-    p.add_argument("--json", action="store_true")
+    root_help = "a CheckpointManager root"
+    item_help = "the item to read, when the root holds several (default: the only one)"
+    p = sub.add_parser("inspect", help="steps, keyframes and deltas, bytes per part, ratios, config, timings; "
+                                       "exit 1 if a step cannot be read")
+    p.add_argument("path", help=root_help)
+    p.add_argument("--step", type=int, help="this step only, with its leaves (default: every step)")
+    p.add_argument("--item", help=item_help)
+    p.add_argument("--json", action="store_true", help="every figure as JSON instead of the table")
     p = sub.add_parser("verify", help="check every record, checksum and delta chain; exit 1 on any problem")
-    p.add_argument("path")
-    p.add_argument("--step", type=int)
-    p.add_argument("--item")
+    p.add_argument("path", help=root_help)
+    p.add_argument("--step", type=int, help="this step only (default: every step)")
+    p.add_argument("--item", help=item_help)
     p = sub.add_parser("export", help="write a step as a plain Orbax StandardCheckpointer checkpoint")
-    p.add_argument("path")
-    p.add_argument("--step", type=int, required=True)
-    p.add_argument("out")
-    p.add_argument("--item")
+    p.add_argument("path", help=root_help)
+    p.add_argument("--step", type=int, required=True, help="the step to export")
+    p.add_argument("out", help="the directory to write (must not exist)")
+    p.add_argument("--item", help=item_help)
     p = sub.add_parser("gc", help="delete data no step references (dry run unless --apply)")
-    p.add_argument("path")
-    p.add_argument("--item")
-    p.add_argument("--apply", action="store_true")
+    p.add_argument("path", help=root_help)
+    p.add_argument("--item", help=item_help)
+    p.add_argument("--apply", action="store_true", help="delete (default: only list what would be deleted)")
     a = ap.parse_args(argv)
-    if a.command == "inspect":
-        return inspect(a.path, a.step, a.item, a.json)
-    if a.command == "verify":
-        return verify(a.path, a.step, a.item)
-    if a.command == "export":
-        return export(a.path, a.step, a.item, a.out)
-    return gc(a.path, a.item, a.apply)
+    try:
+        if a.command == "inspect":
+            code = inspect(a.path, a.step, a.item, a.json)
+        elif a.command == "verify":
+            code = verify(a.path, a.step, a.item)
+        elif a.command == "export":
+            code = export(a.path, a.step, a.item, a.out)
+        else:
+            code = gc(a.path, a.item, a.apply)
+        sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit
+        return code
+    except BrokenPipeError:  # `inshrink-jax inspect ROOT | head`: the reader left; stop quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The inshrink-jax command: inspect, verify (exit code, naming the problem), export, gc."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -201,3 +202,26 @@ def test_a_foreign_entry_in_the_object_store_neither_fails_a_save_nor_is_deleted
     mngr.wait_until_finished()
     assert foreign.is_dir() and 3 in mngr.all_steps()
     assert cli.main(["gc", str(dst), "--apply"]) == 0 and foreign.is_dir()
+
+
+def test_inspect_exits_1_when_a_step_cannot_be_read_and_still_lists_the_others(root, tmp_path, capsys):
+    dst = copy(root, tmp_path)
+    (dst / "1" / "default" / store.MANIFEST).write_bytes(b"{}")
+    assert cli.main(["inspect", str(dst)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^ +1 ERROR .*step 1", out, re.M) and re.search(r"^ +2 ", out, re.M)
+    assert cli.main(["inspect", str(dst), "--json"]) == 1
+
+
+def test_version_and_a_closed_pipe(root, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and f"inshrink-jax {ij.__version__}" in capsys.readouterr().out
+    # `inshrink-jax inspect ROOT | head`: the reader has gone before anything is written; no traceback
+    r, w = os.pipe()
+    os.close(r)
+    run = subprocess.run([sys.executable, "-c", "import sys; from inshrink_jax import cli; "
+                          f"sys.exit(cli.main(['inspect', {str(root)!r}]))"], stdout=w, stderr=subprocess.PIPE,
+                         text=True, timeout=300)
+    os.close(w)
+    assert run.returncode == 1 and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
