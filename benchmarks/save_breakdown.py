@@ -79,10 +79,14 @@ def main(argv=None):
         who = "mu" if ".mu" in leaf else "nu" if ".nu" in leaf else "parameters" if meta.part == "params" else "other"
         how = "quantized" if meta.kind == "quantized" else "stored exactly"
         groups[f"{who}, {how}"] += sum(s.length for _, sh in shards for s in sh.segments.values())
-    files = collections.Counter()
+    files, as_json = collections.Counter(), collections.Counter()
     for path, n in new.items():
         name = os.path.basename(path)
-        files[name.split(".")[0] if name.split(".")[0] in ("blob", "data", "index", "manifest") else "other"] += n
+        kind = name.split(".")[0] if name.split(".")[0] in ("blob", "data", "index", "manifest") else "other"
+        files[kind] += n
+        if kind in ("index", "manifest"):  # what the record would be as plain JSON (format 7 wrote it so)
+            body, _ = store.read_json(path, kind, os.path.dirname(path))
+            as_json[kind] += len(store._canonical(body))
     out = subprocess.run([sys.executable, "-c", RESTORE, root, str(last)], capture_output=True, text=True,
                          check=True)
     restored = json.loads(out.stdout.strip().splitlines()[-1])
@@ -97,6 +101,8 @@ def main(argv=None):
     lines += [f"| {k} | {v:,} |" for k, v in sorted(groups.items())]
     lines += ["", "| file | bytes written |", "|---|---:|"]
     lines += [f"| {k} | {v:,} |" for k, v in sorted(files.items())]
+    lines += ["", "Records as plain JSON (before zstd): " + ", ".join(f"{k} {v:,} bytes" for k, v in
+                                                                   sorted(as_json.items())) + "."]
     lines += ["", f"Restore of step {last} without a target in a new process: {restored['seconds']:.2f} s, "
                   f"{restored['kernels']} closed-loop decode kernels compiled."]
     report.emit(lines, args.out)
