@@ -208,6 +208,9 @@ def _decompress_radix(blob: bytes, size: int) -> bytes:
     return values.astype(np.uint8).reshape(-1)[:size].tobytes()
 
 
+_RLE_CHUNK = 1 << 20  # run bytes summed at a time
+
+
 def _decompress_rle(blob: bytes, size: int) -> bytes:
     if len(blob) < 16:
         raise CodecError("zstd-rle stream shorter than its header")
@@ -215,16 +218,25 @@ def _decompress_rle(blob: bytes, size: int) -> bytes:
     if n != size or k > len(blob) - 16:
         raise CodecError(f"zstd-rle header states {n} symbols in {k} bytes; expected {size} symbols")
     runs = np.frombuffer(_zstd(blob[16:16 + k], n + n // 255 + 1), np.uint8)
-    ends = np.flatnonzero(runs != 255)  # each ends one run: 255 * (preceding 255s) + its own value
-    gaps = runs[ends].astype(np.int64) + 255 * (np.diff(ends, prepend=-1) - 1)
-    positions = np.cumsum(gaps + 1) - 1
-    if positions.size and positions[-1] >= n:
-        raise CodecError("zstd-rle runs point past the end of the stream")
-    values = np.frombuffer(_zstd(blob[16 + k:], positions.size), np.uint8)
-    if values.size != positions.size:
-        raise CodecError(f"zstd-rle stream holds {values.size} values for {positions.size} runs")
+    count = int(np.count_nonzero(runs != 255))  # each byte below 255 ends one run
+    values = np.frombuffer(_zstd(blob[16 + k:], count), np.uint8)
+    if values.size != count:
+        raise CodecError(f"zstd-rle stream holds {values.size} values for {count} runs")
+    # A run's end is at (the sum over the bytes up to and including its last one of byte + [byte < 255]) - 1:
+    # 255 * (its 255s) + its gap, plus one per run. Summed in chunks, so the temporaries stay small whatever
+    # the stream holds.
     out = np.zeros(n, np.uint8)
-    out[positions] = values
+    total, placed = 0, 0
+    for lo in range(0, runs.size, _RLE_CHUNK):
+        part = runs[lo:lo + _RLE_CHUNK]
+        ends = part != 255
+        sums = np.cumsum(part.astype(np.int64) + ends) + total
+        total = int(sums[-1])
+        positions = sums[ends] - 1
+        if positions.size and positions[-1] >= n:
+            raise CodecError("zstd-rle runs point past the end of the stream")
+        out[positions] = values[placed:placed + positions.size]
+        placed += positions.size
     return out.tobytes()
 
 

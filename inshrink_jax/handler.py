@@ -17,12 +17,26 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 
 from inshrink_jax import records, restore, save, store
 from inshrink_jax.base import BaseCheckpoint
 from inshrink_jax.config import CompressionConfig
+
+
+def _discard_temporary(directory) -> None:
+    """Remove the temporary directories Orbax made for a save this handler refused (bad input, a changed base):
+    a refused save leaves nothing behind. Orbax may still be creating them in the background, so this waits for
+    its directory-creation signal; only directories named as Orbax's temporary ones are touched."""
+    async def remove():
+        d = epath.Path(directory)
+        outer = d.parent if store.TMP_SUFFIX in d.parent.name else d if store.TMP_SUFFIX in d.name else None
+        if outer is not None:
+            outer.rmtree(missing_ok=True)
+
+    ocp.future.CommitFutureAwaitingContractedSignals(remove(), name="inshrink_discard", timeout_secs=60).result()
 
 
 class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
@@ -81,14 +95,19 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         cfg = self.config
         root, item, step = store.locate(directory)
         process, count, primary = self._process()
-        plan = save.plan(args.state, args.grads, args.labels, cfg, self.base)
-        if self.base is not None:
-            self.base.check(directory)
         state = self._state(root, item)
-        offsets = [self.base.values(plan.base_of[i], plan.leaves[i]) if i in plan.base_of else None
-                   for i in plan.weights]
-        dispatched = save.dispatch(plan, cfg, args.eval_fn, state, offsets,
-                                   self.base.describe() if self.base else None, primary, started)
+        try:
+            plan = save.plan(args.state, args.grads, args.labels, cfg, self.base)
+            if self.base is not None:
+                self.base.check(directory)
+            offsets = [self.base.values(plan.base_of[i], plan.leaves[i]) if i in plan.base_of else None
+                       for i in plan.weights]
+            dispatched = save.dispatch(plan, cfg, args.eval_fn, state, offsets,
+                                       self.base.describe() if self.base else None, primary, started)
+        except Exception:
+            if primary:
+                _discard_temporary(directory)
+            raise
         object_id = store.new_object_id(root, item, step)
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._states[(str(root), item)] = (state, result)

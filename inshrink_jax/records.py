@@ -14,6 +14,7 @@ from typing import Any, Literal, TypedDict
 import jax
 
 LeafKind = Literal["scalar", "array", "prng_key", "dropped", "quantized"]
+STORED_KINDS = ("array", "prng_key", "quantized")  # the kinds with stored shards
 LEAF_KINDS = ("scalar", "array", "prng_key", "dropped", "quantized")
 Part = Literal["params", "optimizer", "other"]
 PARTS = ("params", "optimizer", "other")
@@ -292,6 +293,29 @@ def path_entries(path) -> list:
         else:
             out.append(["a", str(k)])
     return out
+
+
+def flatten(tree) -> tuple[list, Any]:
+    """`jax.tree_util.tree_flatten_with_path(tree)` with None as a leaf. JAX orders a dict's keys, so a dict that
+    mixes key types it cannot order (str and int) is a TypeError naming that dict's path, not JAX's bare sort
+    error."""
+    try:
+        return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+    except (TypeError, ValueError):
+        def unordered(x):
+            if not isinstance(x, dict):
+                return False
+            try:
+                sorted(x)
+            except TypeError:
+                return True
+            return False
+        for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or unordered(x))[0]:
+            if unordered(x):
+                types = sorted({type(k).__name__ for k in x})
+                raise TypeError(f"{jax.tree_util.keystr(tuple(p)) or 'the tree'}: a dict whose keys mix types "
+                                f"{types}, which cannot be ordered; use keys of one type") from None
+        raise
 
 
 def empty_containers(tree) -> list:

@@ -26,7 +26,7 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
     if target is None:
         flat, treedef, pairs = None, None, [(m, None) for m in reader.manifest.leaves]
     else:
-        flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=lambda x: x is None)
+        flat, treedef = records.flatten(target)
         pairs = match_target(reader, flat)
     decode_codes(reader, pairs, threads)
     values = [restore_leaf(reader, m, t) for m, t in pairs]
@@ -124,9 +124,14 @@ def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
         list(pool.map(lambda k: reader.codes(*k), needed))
 
 
-def _fill(out: np.ndarray, box, pieces, what: str) -> np.ndarray:
-    """Copy each (stored box, host array thunk) piece's overlap with `box` into `out`; all of `box` must be
-    covered."""
+def _fill(box, dtype, pieces, what: str, writable: bool = False) -> np.ndarray:
+    """The values of `box` from each (stored box, host array thunk) piece's overlap with it; all of `box` must
+    be covered. A piece that is exactly `box` is returned as it is (read-only) unless `writable`."""
+    if not writable:
+        for sbox, data in pieces:
+            if store.box_key(sbox) == store.box_key(box):
+                return data()
+    out = np.empty(store.box_shape(box), dtype)
     covered = 0
     for sbox, data in pieces:
         ov = overlap(box, sbox)
@@ -177,20 +182,21 @@ def _dropped(reader, meta: records.Leaf, target, what: str):
         np.zeros(store.box_shape(box), dtype), dev), what)
 
 
-def _host_box(reader: store.Reader, meta: records.Leaf, box, what: str) -> np.ndarray:
-    """The lossless values of `box` of a leaf, from the stored shards that overlap it."""
+def _host_box(reader: store.Reader, meta: records.Leaf, box, what: str, writable: bool = False) -> np.ndarray:
+    """The lossless values of `box` of a leaf, from the stored shards that overlap it (read-only unless
+    `writable`)."""
     dtype = np.dtype(jnp.dtype(meta.dtype))
     pieces = [(e.box, (lambda p=p, e=e: reader.array(meta.keystr, p, e.segments["data"], "data", dtype,
                                                      store.box_shape(e.box))))
               for p, e in reader.shards.get(meta.keystr, [])]
-    return _fill(np.empty(store.box_shape(box), dtype), box, pieces, what)
+    return _fill(box, dtype, pieces, what, writable)
 
 
 def _array(reader, meta: records.Leaf, target, what: str):
     """A lossless leaf, bit-exact."""
     shape = tuple(meta.shape)
     if _is_numpy(meta, target):
-        values = _host_box(reader, meta, [[0, n] for n in shape], what)
+        values = _host_box(reader, meta, [[0, n] for n in shape], what, writable=True)
         return values[()] if meta.type == records.NUMPY_SCALAR else values
     return _make_array(shape, target_sharding(target),
                        lambda box, dev: jax.device_put(_host_box(reader, meta, box, what), dev), what)
@@ -214,7 +220,7 @@ def _encoded(box, shards: list, codes_of: Callable, protected_of: Callable, cent
     """The encoded tensor of `box` (codes, protected values in its row-major order) from stored `shards`
     [(process, Shard)] of one object: `codes_of(p, e)` gives a shard's codes, `protected_of(p, e)` the flat
     positions in that shard of its protected weights and their values."""
-    codes = _fill(np.empty(store.box_shape(box), np.uint8), box,
+    codes = _fill(box, np.uint8,
                   [(e.box, (lambda p=p, e=e: codes_of(p, e))) for p, e in shards], what)
     pos_parts, val_parts = [], []
     for p, e in shards:
@@ -297,7 +303,7 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
         recon = None
         for shards, centres, read in links:
             if centres is None:
-                values = _fill(np.empty(store.box_shape(box), dtype), box,
+                values = _fill(box, dtype,
                                [(e.box, (lambda p=p, e=e: read(p, e))) for p, e in shards], what)
                 recon = jax.device_put(values, dev)
             else:

@@ -113,7 +113,7 @@ class Plan:
 
 def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
     """The plan of saving `state` (see `Plan`); `base` is a base.BaseCheckpoint or None."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)
+    flat, treedef = records.flatten(state)
     policies = policy.classify(state, cfg, labels)
     recs = [leaf_record(path, x, pol, cfg) for (path, x), pol in zip(flat, policies)]
     weights = [i for i, r in enumerate(recs) if r.method == "weights"]

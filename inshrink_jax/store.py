@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import warnings
 import zlib
@@ -40,7 +41,7 @@ import numpy as np
 from etils import epath
 
 from inshrink_jax import codec, delta, quantize, records
-from inshrink_jax.records import CODES_FILE, DATA_FILE
+from inshrink_jax.records import CODES_FILE, DATA_FILE, STORED_KINDS
 
 FORMAT = "inshrink_jax"
 FORMAT_VERSION = 8  # 4: leaves of kind "dropped"; quantized leaves of method "moments"; 7: closed-loop chains;
@@ -555,8 +556,31 @@ class Reader:
         self.shards: dict[str, list[tuple[int, records.Shard]]] = {}
         for (leaf, _), (p, entry) in self.own.entries.items():
             self.shards.setdefault(leaf, []).append((p, entry))
+        for leaf in self.shards:
+            if leaf not in self.leaves:
+                raise CheckpointCorruptError(f"{describe(self.directory)}: object {self.object_id} holds leaf "
+                                             f"{leaf}, which the manifest does not list")
+        for meta in self.manifest.leaves:
+            if meta.kind in STORED_KINDS:
+                self.check_tiling(meta, self.shards.get(meta.keystr, []), self.object_id)
         self.codes_cache: dict[tuple, tuple[np.ndarray, int]] = {}  # (leaf, box) -> (codes, depth)
         self.chain_depth = 0  # closed loop: the most links after a keyframe of any leaf restored so far
+
+    def check_tiling(self, meta: records.Leaf, shards: list, object_id: str) -> None:
+        """The stored shards of a leaf in one object lie inside the manifest's shape of it and cover it exactly
+        (distinct boxes; their volumes sum to the shape's), so every allocation a restore sizes by the shape or
+        a box is bounded by what the shards hold, checked before anything is decoded."""
+        shape = meta.data_shape if meta.kind == "prng_key" else meta.shape
+        volume = 0
+        for _, e in shards:
+            if len(e.box) != len(shape) or any(not 0 <= lo <= hi <= n for (lo, hi), n in zip(e.box, shape)):
+                raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {meta.keystr}: object {object_id} "
+                                             f"holds shard {e.box}, outside the leaf's shape {list(shape)}")
+            volume += math.prod(hi - lo for lo, hi in e.box)
+        if volume != math.prod(shape):
+            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {meta.keystr}: the shards of object "
+                                         f"{object_id} hold {volume} elements, the manifest's shape "
+                                         f"{list(shape)} has {math.prod(shape)}")
 
     def object(self, object_id: str) -> _Object:
         with reading(self.directory, f"object {object_id!r}"):
@@ -665,6 +689,7 @@ class Reader:
                         f"{describe(self.directory)}: leaf {leaf}: object {object_id} does not hold a link of its "
                         "closed-loop chain (no shard, mixed priors, or neither codes nor values): the chain is "
                         "broken")
+                self.check_tiling(self.leaves[leaf], shards, object_id)
                 chain.append((obj, shards))
                 object_id = priors.pop()
             self.chain_depth = max(self.chain_depth, len(chain) - 1)

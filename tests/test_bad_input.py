@@ -66,13 +66,17 @@ print("ok")
     (object(), "unsupported type object"),
     (b"bytes", "unsupported type bytes"),
     (2**70, "does not fit in 64 bits"),
-    ({1.5: jnp.ones(3)}, "cannot be stored; use str or int"),
+    ({1.5: jnp.ones(3)}, r"\['x'\]\[1.5\]: dict key 1.5 of type float cannot be stored; use str or int"),
+    ({("a", "b"): jnp.ones(3)}, r"\['x'\]\[\('a', 'b'\)\]: dict key \('a', 'b'\) of type tuple"),
+    ({"a": jnp.ones(3), 1: jnp.ones(3)}, r"\['x'\]: a dict whose keys mix types \['int', 'str'\]"),
 ])
 def test_unsupported_leaves_are_refused_before_writing(tmp_path, leaf, message):
     mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler())
     with pytest.raises((TypeError, ValueError), match=message):
         mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 64))}, "x": leaf}))
+    mngr.wait_until_finished()
     assert mngr.all_steps() == [] and not (tmp_path / "inshrink_objects").exists()
+    assert not [p.name for p in tmp_path.iterdir() if "tmp" in p.name]  # no temporary step directory left behind
 
 
 def test_a_sharding_that_does_not_fit_is_a_clear_error(tmp_path):

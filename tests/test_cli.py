@@ -192,6 +192,47 @@ def test_files_swapped_between_steps_are_refused(root, tmp_path, files):
     assert cli.main(["verify", str(dst), "--step", "2"]) == 0
 
 
+def test_every_file_swapped_between_any_two_steps_is_refused(tmp_path_factory, capsys):
+    """72 swaps: each file name of a step (its manifest and commit record) and of its object (commit record,
+    offset table, code blob, data file) replaced by the same file of each other step of a 4-step root (every
+    checksum valid). Every one is refused by restore and by verify; none restores other values."""
+    src = tmp_path_factory.mktemp("swap") / "ckpt"
+    mngr = ocp.CheckpointManager(src, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+        search=False, optimizer="quantize")))
+    for i in range(4):
+        mngr.save(i, args=ij.InshrinkSave(state_at(i)))
+        mngr.wait_until_finished()
+    mngr.close()
+    objects = src / store.OBJECTS / "default"
+
+    def files(step):
+        obj = objects / store.Reader(src / str(step) / "default").object_id
+        return {"step/manifest.json": src / str(step) / "default" / store.MANIFEST,
+                "step/commit.json": src / str(step) / "default" / store.COMMIT,
+                "object/commit.json": obj / store.COMMIT, "object/index.0.json": obj / store.index_name(0),
+                "object/blob.0": obj / store.blob_name(0), "object/data.0": obj / store.blob_name(0, store.DATA_FILE)}
+
+    names = {i: files(i) for i in range(4)}
+    swaps = 0
+    for name in names[0]:
+        for a in range(4):
+            for b in range(4):
+                if a == b:
+                    continue
+                dst = tmp_path_factory.mktemp("swapped") / "ckpt"
+                shutil.copytree(src, dst)
+                target = dst / names[b][name].relative_to(src)
+                assert target.read_bytes() != names[a][name].read_bytes(), (name, a, b)
+                shutil.copyfile(names[a][name], target)
+                with pytest.raises(ij.CheckpointCorruptError, match=f"step {b}"):
+                    ij.InshrinkCheckpointHandler().restore(dst / str(b) / "default", ij.InshrinkRestore())
+                assert cli.main(["verify", str(dst), "--step", str(b)]) == 1, (name, a, b)
+                shutil.rmtree(dst)
+                swaps += 1
+    capsys.readouterr()
+    assert swaps == 72
+
+
 def test_a_foreign_entry_in_the_object_store_neither_fails_a_save_nor_is_deleted(root, tmp_path):
     dst = copy(root, tmp_path)
     foreign = dst / store.OBJECTS / "default" / "notes (copy)"

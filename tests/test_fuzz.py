@@ -5,6 +5,7 @@ TypeError, RecursionError, MemoryError...), and nothing is read outside the chec
 
 CI runs a short slice; `INSHRINK_FUZZ_EXAMPLES=10000 pytest tests/test_fuzz.py -p no:xdist` runs more."""
 
+import json
 import os
 import shutil
 
@@ -16,7 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import cli, store
+from inshrink_jax import cli, codec, store
 
 EXAMPLES = int(os.environ.get("INSHRINK_FUZZ_EXAMPLES", "60"))
 FILES = ("step/manifest.json", "step/commit.json", "object/commit.json", "object/index.0.json")
@@ -121,3 +122,143 @@ def test_mutated_records_are_refused_by_name_or_read(pristine, tmp_path_factory,
     mngr.save(2, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}))  # its finalize collects garbage
     mngr.wait_until_finished()
     assert (canary / "data.0").read_bytes() == b"canary"
+
+
+# ------------------------------------------------------------------------------------ crafted size claims
+N = 1 << 22  # elements of each of the two leaves below: 16 MiB of float32 each
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    """A step with a quantized 2048 x 2048 weight (its code stream) and a lossless 4M-element vector."""
+    root = tmp_path_factory.mktemp("large") / "ckpt"
+    rng = np.random.default_rng(0)
+    tree = {"w": jnp.asarray(rng.normal(size=(2048, N // 2048)).astype(np.float32)),
+            "x": rng.normal(size=N).astype(np.float32)}
+    with ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+            search=False))) as mngr:
+        mngr.save(0, args=ij.InshrinkSave(tree))
+    return root
+
+
+def _object_of(root, step_dir):
+    return root / store.OBJECTS / "default" / store.read_json(step_dir / store.COMMIT, "commit", step_dir)[0]["object"]
+
+
+def _craft_segment(root, leaf: str, name: str, codec: str, data: bytes) -> None:
+    """Replace segment `name` of `leaf` in step 0's object by `data` coded as `codec`, every checksum re-signed."""
+    step_dir = root / "0" / "default"
+    obj = _object_of(root, step_dir)
+    index, _ = store.read_json(obj / store.index_name(0), "index", step_dir)
+    record, _ = store.read_json(obj / store.COMMIT, "commit", step_dir)
+    entry = next(e for e in index["entries"] if e["leaf"] == leaf)
+    seg = entry["segments"][name]
+    path = obj / store.blob_name(0, seg["file"])
+    offset = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(data)
+    seg.update(offset=offset, length=len(data), crc32=store.crc32(data), codec=codec)
+    key = "blob_bytes" if seg["file"] == store.CODES_FILE else "data_bytes"
+    index[key] = record["processes"][0][key] = offset + len(data)
+    store.write_json(obj / store.index_name(0), index)
+    store.write_json(obj / store.COMMIT, record)
+    _resign(root, "0")
+
+
+def _craft_record(root, which: str, edit) -> None:
+    """Apply `edit` to a record of step 0 (FILES), every checksum re-signed."""
+    step_dir = root / "0" / "default"
+    obj = _object_of(root, step_dir)
+    path = (step_dir if which.startswith("step") else obj) / which.split("/")[1]
+    body, _ = store.read_json(path, "record", step_dir)
+    edit(body)
+    store.write_json(path, body)
+    _resign(root, "0")
+
+
+def _leaf(name):
+    return lambda body: next(l for l in body["leaves"] if l["keystr"] == f"['{name}']")
+
+
+def _entry(name):
+    return lambda body: next(e for e in body["entries"] if e["leaf"] == f"['{name}']")
+
+
+def _u64(*values) -> bytes:
+    return np.asarray(values, "<u8").tobytes()
+
+
+CRAFTED = {
+    "manifest shape 2^20 x 2^20": lambda r: _craft_record(r, "step/manifest.json",
+                                                         lambda b: _leaf("x")(b).update(shape=[1 << 20, 1 << 20])),
+    "manifest shape and box 2^40": lambda r: (
+        _craft_record(r, "object/index.0.json", lambda b: _entry("x")(b).update(box=[[0, 1 << 40]])),
+        _craft_record(r, "step/manifest.json", lambda b: _leaf("x")(b).update(shape=[1 << 40]))),
+    "box of 2^31 rows": lambda r: _craft_record(r, "object/index.0.json",
+                                                lambda b: _entry("w")(b).update(box=[[0, 1 << 31], [0, N // 2048]])),
+    "zstd-rle header: 2^31 codes": lambda r: _craft_segment(r, "['w']", "codes", "zstd-rle",
+                                                            _u64(1 << 31, 8) + b"\0" * 64),
+    "zstd-rle header: 2^40 codes": lambda r: _craft_segment(r, "['w']", "codes", "zstd-rle", _u64(1 << 40, 8)),
+    "zstd frame declaring 2^40 bytes": lambda r: _craft_segment(
+        r, "['x']", "data", "zstd", codec.compress(b"\0" * 64)[:4] + b"\xe0" + (1 << 40).to_bytes(8, "little")),
+    "zstd-radix header: 2^40 codes": lambda r: _craft_segment(r, "['w']", "codes", "zstd-radix",
+                                                              b"\x04" + _u64(1 << 40) + codec.compress(b"\0")),
+    "zstd-rle: a run at every code, all codes 255": lambda r: _craft_segment(
+        r, "['w']", "codes", "zstd-rle", (lambda runs, vals: _u64(N, len(runs)) + runs + vals)(
+            codec.compress(bytes(N)), codec.compress(b"\xff" * N))),
+}
+
+MEASURE = r"""
+import json, sys
+import inshrink_jax as ij
+from inshrink_jax import store
+
+
+def status(field):  # kB
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field + ":")).split()[1])
+
+
+store.Reader(sys.argv[1] + "/pristine/0/default")  # imports and first reads done before measuring
+out = {}
+for name in json.loads(sys.argv[2]):
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak (VmHWM) to the current resident set
+    base = status("VmRSS")
+    try:
+        ij.InshrinkCheckpointHandler().restore(f"{sys.argv[1]}/{name}/0/default", ij.InshrinkRestore())
+        error = None
+    except Exception as e:
+        error = f"{type(e).__module__}.{type(e).__name__}: {e}"
+    out[name] = (error, (status("VmHWM") - base) * 1024)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures peak RSS through Linux's /proc")
+def test_crafted_sizes_are_refused_before_they_are_allocated(large, tmp_path):
+    """Sizes claimed by re-signed records and stream headers, far beyond what the leaves' real shapes hold (a
+    manifest shape, a shard box, codec headers, a zstd frame header), and a stream that decodes to codes past the
+    leaf's levels: each restore raises CheckpointCorruptError naming the step and leaf, and the restoring
+    process's peak RSS grows by at most twice the bytes of the leaves the pristine manifest describes, and the
+    legitimate restore of the same step fits in the same bound."""
+    import subprocess
+    import sys
+
+    shutil.copytree(large, tmp_path / "pristine")
+    names = {"pristine": "the pristine step"}
+    for i, (name, craft) in enumerate(CRAFTED.items()):
+        shutil.copytree(large, tmp_path / str(i))
+        craft(tmp_path / str(i))
+        names[str(i)] = name
+    done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path), json.dumps(list(names))],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    legit = 2 * N * 4
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured.pop("pristine")[0] is None
+    for i, (error, grew) in measured.items():
+        assert error is not None and error.startswith("inshrink_jax.store.CheckpointCorruptError: step 0"), \
+            (names[i], error)
+        assert "['w']" in error or "['x']" in error, (names[i], error)
+        assert grew <= 2 * legit, (names[i], grew, legit)
+    print({names[i]: grew for i, (_, grew) in json.loads(done.stdout.strip().splitlines()[-1]).items()})
