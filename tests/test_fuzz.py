@@ -3,7 +3,7 @@ CRC32 that covers it recomputed, as an attacker or a buggy tool would), then res
 mutation, reading raises `CheckpointCorruptError` or returns a tree; nothing else escapes (no KeyError,
 TypeError, RecursionError, MemoryError...), and nothing is read outside the checkpoint root.
 
-CI runs a short slice; `INSHRINK_FUZZ_EXAMPLES=10000 pytest tests/test_fuzz.py -p no:xdist` runs more."""
+CI runs a short slice; `INSHRINK_FUZZ_EXAMPLES=10000 pytest tests/test_fuzz.py -n 0` runs more."""
 
 import json
 import os
@@ -124,6 +124,43 @@ def test_mutated_records_are_refused_by_name_or_read(pristine, tmp_path_factory,
     assert (canary / "data.0").read_bytes() == b"canary"
 
 
+def _mutate_bytes(raw: bytes, how: str, at: int, value: bytes) -> bytes:
+    at = at % (len(raw) + 1)
+    if how == "replace":
+        return raw[:at] + value + raw[at + len(value):]
+    if how == "insert":
+        return raw[:at] + value + raw[at:]
+    return raw[:at]  # truncate
+
+
+# u64 header fields (counts), zstd frame headers, and plain noise
+header_bytes = st.one_of(
+    st.integers(0, 2**64 - 1).map(lambda v: v.to_bytes(8, "little")),
+    st.sampled_from([b"\x28\xb5\x2f\xfd", b"\xe0" + (1 << 40).to_bytes(8, "little"), b"\xff" * 4, b"\x00"]),
+    st.binary(min_size=1, max_size=16))
+
+
+@hypothesis.settings(max_examples=EXAMPLES, deadline=None, derandomize="INSHRINK_FUZZ_EXAMPLES" not in os.environ,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(step=st.sampled_from(["0", "1"]), leaf=st.integers(0, 63), segment=st.integers(0, 7),
+                  codec_id=st.sampled_from([None, *codec.CODE_CODECS, codec.RAW, codec.ZSTD_PLANES]),
+                  how=st.sampled_from(["replace", "insert", "truncate"]), at=st.integers(0, 64), value=header_bytes)
+def test_mutated_streams_are_refused_by_name_or_read(pristine, tmp_path_factory, step, leaf, segment, codec_id,
+                                                     how, at, value):
+    """A stored stream's bytes (its codec's header fields, its zstd frame, its body) or its codec changed, with
+    every checksum re-signed: reading raises CheckpointCorruptError naming the step, or returns a tree."""
+    base = tmp_path_factory.mktemp("fuzz")
+    root = base / "ckpt"
+    shutil.copytree(pristine, root)
+    _craft_segment(root, leaf, segment, codec_id, lambda raw: _mutate_bytes(raw, how, at, value), step)
+    try:
+        ij.InshrinkCheckpointHandler().restore(root / step / "default", ij.InshrinkRestore())
+    except ij.CheckpointCorruptError as e:
+        assert f"step {step}" in str(e)
+    assert cli.main(["verify", str(root), "--step", step]) in (0, 1)
+    shutil.rmtree(base)
+
+
 # ------------------------------------------------------------------------------------ crafted size claims
 N = 1 << 22  # elements of each of the two leaves below: 16 MiB of float32 each
 
@@ -145,24 +182,32 @@ def _object_of(root, step_dir):
     return root / store.OBJECTS / "default" / store.read_json(step_dir / store.COMMIT, "commit", step_dir)[0]["object"]
 
 
-def _craft_segment(root, leaf: str, name: str, codec: str, data: bytes) -> None:
-    """Replace segment `name` of `leaf` in step 0's object by `data` coded as `codec`, every checksum re-signed."""
-    step_dir = root / "0" / "default"
+def _craft_segment(root, leaf: str | int, name: str | int, codec: str | None, data, step: str = "0") -> None:
+    """Replace segment `name` of `leaf` in the step's object by `data` (bytes, or a function of the segment's
+    bytes) coded as `codec` (None: as it was), every checksum re-signed. An int `leaf` or `name` picks the
+    entry or segment by its position."""
+    step_dir = root / step / "default"
     obj = _object_of(root, step_dir)
     index, _ = store.read_json(obj / store.index_name(0), "index", step_dir)
     record, _ = store.read_json(obj / store.COMMIT, "commit", step_dir)
-    entry = next(e for e in index["entries"] if e["leaf"] == leaf)
-    seg = entry["segments"][name]
+    entries = index["entries"]
+    entry = entries[leaf % len(entries)] if isinstance(leaf, int) else next(e for e in entries if e["leaf"] == leaf)
+    segs = entry["segments"]
+    seg = segs[sorted(segs)[name % len(segs)] if isinstance(name, int) else name]
+    if callable(data):
+        with open(obj / store.blob_name(0, seg["file"]), "rb") as f:
+            f.seek(seg["offset"])
+            data = data(f.read(seg["length"]))
     path = obj / store.blob_name(0, seg["file"])
     offset = path.stat().st_size
     with open(path, "ab") as f:
         f.write(data)
-    seg.update(offset=offset, length=len(data), crc32=store.crc32(data), codec=codec)
+    seg.update(offset=offset, length=len(data), crc32=store.crc32(data), codec=codec or seg["codec"])
     key = "blob_bytes" if seg["file"] == store.CODES_FILE else "data_bytes"
     index[key] = record["processes"][0][key] = offset + len(data)
     store.write_json(obj / store.index_name(0), index)
     store.write_json(obj / store.COMMIT, record)
-    _resign(root, "0")
+    _resign(root, step)
 
 
 def _craft_record(root, which: str, edit) -> None:

@@ -55,3 +55,124 @@ def test_a_real_write_error_fails_the_save_and_loses_nothing(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout[-2000:], done.stderr[-4000:])
     assert "save 1 failed" in done.stdout
+
+
+def test_a_failed_orbax_metadata_write_never_lists_a_broken_step(tmp_path, monkeypatch):
+    """Orbax writes its own step metadata (`_CHECKPOINT_METADATA`) on a background thread while it commits the
+    step: when that write fails (a full disk), `wait_until_finished` raises, yet Orbax may still rename the step,
+    which a reload then lists. Whichever happens, a listed step is whole: it restores to exactly what was saved
+    and verify passes; and the next save works."""
+    import errno
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+    import pytest
+    from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
+
+    import inshrink_jax as ij
+    from inshrink_jax import cli
+
+    write = orbax_metadata._MetadataStoreImpl.write
+    failing = {"on": False}
+
+    def full_disk(self, file_path, *args, **kwargs):
+        if failing["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device", str(file_path))
+        return write(self, file_path, *args, **kwargs)
+
+    monkeypatch.setattr(orbax_metadata._MetadataStoreImpl, "write", full_disk)
+    root = tmp_path / "ckpt"
+    rng = np.random.default_rng(0)
+    trees = [{"params": {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)}, "x": rng.normal(size=5),
+              "step": i} for i in range(3)]
+    mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+        search=False)))
+    mngr.save(0, args=ij.InshrinkSave(trees[0]))
+    mngr.wait_until_finished()
+    failing["on"] = True
+    with pytest.raises(Exception) as raised:
+        mngr.save(1, args=ij.InshrinkSave(trees[1]))
+        mngr.wait_until_finished()
+    failing["on"] = False
+    cause = raised.value
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    assert cause is not None and cause.errno == errno.ENOSPC, repr(raised.value)
+    mngr.save(2, args=ij.InshrinkSave(trees[2]))
+    mngr.wait_until_finished()
+    time.sleep(0.5)  # let Orbax's background commit of step 1, if it goes on, finish
+    mngr.close()
+    mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+        search=False)))
+    assert {0, 2} <= set(mngr.all_steps()) <= {0, 1, 2}
+    for step in mngr.all_steps():
+        restored = mngr.restore(step)
+        assert restored["step"] == step
+        np.testing.assert_array_equal(restored["x"], trees[step]["x"])
+    assert cli.main(["verify", str(root)]) == 0
+
+
+def _tmpfs(path, size: str) -> bool:
+    """Mount a tmpfs of `size` at `path` (needs root and a kernel that allows it); whether it worked."""
+    path.mkdir()
+    try:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def test_a_full_disk_fails_the_save_and_loses_nothing(tmp_path):
+    """Async saves into a real 1 MiB filesystem until it is full (ENOSPC from the kernel): the save that does not
+    fit raises from wait_until_finished, every listed step restores exactly, verify passes, and once space is
+    freed (steps deleted, their objects collected by `inshrink-jax gc`) the next save works."""
+    import errno
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+    import pytest
+
+    import inshrink_jax as ij
+    from inshrink_jax import cli
+
+    disk = tmp_path / "disk"
+    if not _tmpfs(disk, "1m"):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        root = disk / "ckpt"
+        rng = np.random.default_rng(0)
+        noise = [np.frombuffer(rng.bytes(150_000), np.uint8).copy() for _ in range(12)]
+        mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler())
+        failed = None
+        for step, x in enumerate(noise):
+            try:
+                mngr.save(step, args=ij.InshrinkSave({"x": x, "step": step}))
+                mngr.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 (Orbax may wrap the commit thread's OSError)
+                cause = e
+                while cause is not None and not isinstance(cause, OSError):
+                    cause = cause.__cause__ or cause.__context__
+                assert cause is not None and cause.errno == errno.ENOSPC, repr(e)
+                failed = step
+                break
+        assert failed is not None and failed >= 2
+        mngr.close()
+        mngr = ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=2),
+                                     item_handlers=ij.InshrinkCheckpointHandler())
+        listed = mngr.all_steps()
+        assert set(range(failed)) <= set(listed) <= set(range(failed + 1))
+        for step in listed:
+            np.testing.assert_array_equal(mngr.restore(step)["x"], noise[step])
+        assert cli.main(["verify", str(root)]) == 0
+        for s in listed[:-1]:
+            mngr.delete(s)
+        assert cli.main(["gc", str(root), "--apply"]) == 0  # the deleted steps' objects and the partial one
+        mngr.save(failed + 1, args=ij.InshrinkSave({"x": noise[failed + 1], "step": failed + 1}))
+        mngr.wait_until_finished()
+        np.testing.assert_array_equal(mngr.restore(failed + 1)["x"], noise[failed + 1])
+        assert cli.main(["verify", str(root)]) == 0
+        mngr.close()
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)
