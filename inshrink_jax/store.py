@@ -117,7 +117,7 @@ def object_path(root, item: str, ref: str) -> epath.Path:
     leave the store (a separator, '..') is refused."""
     if is_external(ref):
         return epath.Path(ref)
-    if not _OBJECT_NAME.match(ref) or ".." in ref:
+    if not isinstance(ref, str) or not _OBJECT_NAME.match(ref) or ".." in ref:
         raise CheckpointCorruptError(f"object reference {ref!r} is not a plain object name of {objects_dir(root, item)}")
     return objects_dir(root, item) / ref
 
@@ -549,6 +549,12 @@ class Reader:
                                          f"belong together (object {self.manifest.object}): a file of another "
                                          "save was put in this step")
         self.object_id = self.commit["object"]
+        base = (self.manifest.base or {}).get("object")
+        for ref in self.commit["objects"]:  # plain names of this root's store, or the base checkpoint's object
+            if ref != base and (is_external(ref) or not _OBJECT_NAME.match(ref) or ".." in ref):
+                raise CheckpointCorruptError(f"{describe(self.directory)}: the commit record lists object {ref!r}, "
+                                             "which is neither a plain object name of this root's store nor the "
+                                             "manifest's base checkpoint")
         self._base: Reader | None = None
         self._objects: dict[str, _Object] = {}
         self.own = self.object(self.object_id)

@@ -161,6 +161,61 @@ def test_mutated_streams_are_refused_by_name_or_read(pristine, tmp_path_factory,
     shutil.rmtree(base)
 
 
+# ------------------------------------------------------------------------------------- paths out of the root
+def _point_outside(body, key, ref):
+    """Make the record's object reference(s) `key` point at `ref`."""
+    if key == "objects":
+        body["objects"][ref] = next(iter(body["objects"].values()))
+    else:
+        body[key] = ref
+
+
+ESCAPES = {
+    "a step listing ../../../outside as an object": [("step/commit.json", lambda b: _point_outside(
+        b, "objects", "../../../outside"))],
+    "a step whose object is ../../../outside/0.0": [
+        ("step/manifest.json", lambda b: _point_outside(b, "object", "../../../outside/0.0")),
+        ("step/commit.json", lambda b: _point_outside(b, "object", "../../../outside/0.0"))],
+    "a step whose object is the absolute path of a copy outside": [
+        ("step/manifest.json", lambda b: _point_outside(b, "object", "{outside}/0.0")),
+        ("step/commit.json", lambda b: (_point_outside(b, "object", "{outside}/0.0"),
+                                        _point_outside(b, "objects", "{outside}/0.0")))],
+    "a segment in ../../../../outside/secret": [("object/index.0.json", lambda b: b["entries"][0]["segments"][
+        sorted(b["entries"][0]["segments"])[0]].update(file="../../../../outside/secret"))],
+}
+
+
+@pytest.mark.parametrize("name", list(ESCAPES))
+def test_references_out_of_the_root_are_refused_and_nothing_outside_is_touched(pristine, tmp_path, name):
+    """Object references and file names of re-signed records that lead out of the root (relative climbs, an
+    absolute path that is not the manifest's base checkpoint): restore and verify refuse them by name, and
+    neither they nor a save's garbage collection and `inshrink-jax gc --apply` read or delete anything outside
+    the root, where a copy of a real object waits to be 'stolen'."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine, root)
+    outside = tmp_path / "outside"
+    shutil.copytree(_object_of(root, root / "0" / "default"), outside / "0.0")
+    (outside / "secret.0").write_bytes(b"secret")
+    before = {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()}
+    for which, edit in ESCAPES[name]:
+        def fill(body, edit=edit):
+            edit(body)
+            for key in ("object", "objects"):  # "{outside}" stands for the absolute path of the copy
+                if isinstance(body.get(key), str):
+                    body[key] = body[key].format(outside=outside)
+                elif isinstance(body.get(key), dict):
+                    body[key] = {k.format(outside=outside): v for k, v in body[key].items()}
+        _craft_record(root, which, fill)
+    with pytest.raises(ij.CheckpointCorruptError, match="step 0"):
+        ij.InshrinkCheckpointHandler().restore(root / "0" / "default", ij.InshrinkRestore())
+    assert cli.main(["verify", str(root), "--step", "0"]) == 1
+    with ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+            search=False))) as mngr:
+        mngr.save(2, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}))  # its finalize collects
+    assert cli.main(["gc", str(root), "--apply"]) == 0
+    assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
+
+
 # ------------------------------------------------------------------------------------ crafted size claims
 N = 1 << 22  # elements of each of the two leaves below: 16 MiB of float32 each
 
