@@ -7,7 +7,7 @@
 """
 
 from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
-from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave
+from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave, restore_latest
 from inshrink_jax.sensitivity import GradientEMA
 from inshrink_jax.store import CheckpointCorruptError
 
@@ -20,5 +20,6 @@ __all__ = [
     "InshrinkSave",
     "QuantConfig",
     "SearchSpace",
+    "restore_latest",
 ]
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ import concurrent.futures
 import dataclasses
 import os
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -136,7 +137,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
         reader = store.Reader(directory)
         chained: dict = {}
-        out = restore.restore(reader, None if args is None else args.item, self._threads, chained)
+        out = restore.restore(reader, None if args is None else args.item, self._threads, chained,
+                              partial=args is not None and args.partial_restore)
         # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
         # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
         # from its configuration.
@@ -187,7 +189,31 @@ class InshrinkRestore(ocp.args.CheckpointArgs):
     Attributes:
       item: None to restore the saved tree (nested dicts and lists, arrays on the default device); or a tree of
         the saved structure whose leaves are arrays or `jax.ShapeDtypeStruct`s (with `sharding=` to restore
-        straight into that layout; PRNG keys too) or NumPy arrays (restored as NumPy).
+        straight into that layout; PRNG keys too) or NumPy arrays (restored as NumPy). A leaf whose target has
+        another numeric dtype than the saved one is cast to it, as Orbax casts (float32 saved, bfloat16 target).
+      partial_restore: the target may name only part of the saved tree: a dict target may leave keys out
+        (`{"params": ...}` of a saved `{"params": ..., "opt_state": ...}`), and a None in the target stands for
+        everything saved under it (`state.replace(opt_state=None)` of a Flax TrainState), restored as None. Only
+        the named leaves are read.
     """
 
     item: Any = None
+    partial_restore: bool = False
+
+
+def restore_latest(manager: ocp.CheckpointManager, args: "InshrinkRestore | None" = None) -> tuple[int, Any]:
+    """(step, restored state) of the newest step of `manager` that restores: a resuming job's way past a latest
+    step that cannot be read (a damaged or partly copied file). Each step skipped gets a warning naming it and
+    why; when none restores, CheckpointCorruptError lists every step's problem. `args` as for
+    `manager.restore` (None: the saved tree)."""
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps:
+        raise FileNotFoundError(f"{manager.directory}: no steps to restore")
+    problems = []
+    for step in steps:
+        try:
+            return step, manager.restore(step, args=args or InshrinkRestore())
+        except store.CheckpointCorruptError as e:
+            problems.append(f"step {step}: {e}")
+            warnings.warn(f"skipping step {step}, which cannot be restored: {e}", stacklevel=2)
+    raise store.CheckpointCorruptError(f"{manager.directory}: no step restores. " + "; ".join(problems))

@@ -9,6 +9,7 @@ into another layout than the one saved reads what it needs and nothing is gather
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 from typing import Any, Callable
 
 import jax
@@ -18,42 +19,55 @@ import numpy as np
 from inshrink_jax import quantize, records, store
 
 
-def restore(reader: store.Reader, target: Any, threads: int, chained: dict | None = None) -> Any:
+def restore(reader: store.Reader, target: Any, threads: int, chained: dict | None = None,
+            partial: bool = False) -> Any:
     """The step item read by `reader`, restored into `target` (None: the saved tree as nested dicts and lists,
     arrays on the default device; else a tree of the saved structure whose leaves are arrays,
     `jax.ShapeDtypeStruct`s (with `sharding=` to restore into that layout), NumPy arrays or scalars).
-    `chained`, if given, receives key path -> restored value of every leaf of a closed-loop chain."""
+    `chained`, if given, receives key path -> restored value of every leaf of a closed-loop chain. `partial`:
+    the target may hold only some of the saved leaves (a subtree); only those are read."""
     if target is None:
         flat, treedef, pairs = None, None, [(m, None) for m in reader.manifest.leaves]
     else:
+        nnx = sys.modules.get("flax.nnx")  # imported by whoever made an NNX object
+        live = tuple(getattr(nnx, n) for n in ("Pytree", "Object", "Module") if hasattr(nnx, n))
+        if live and isinstance(target, live):
+            raise ValueError(f"{store.describe(reader.directory)}: the restore target is a live Flax NNX object "
+                             f"({type(target).__name__}); pass nnx.state(model) (what was saved: a module's, or "
+                             "an nnx.Optimizer's), then nnx.update(model, restored)")
         flat, treedef = records.flatten(target)
-        pairs = match_target(reader, flat)
+        pairs = match_target(reader, flat, partial)
     decode_codes(reader, pairs, threads)
-    values = [restore_leaf(reader, m, t) for m, t in pairs]
-    if chained is not None:
-        chained.update((m.keystr, v) for (m, _), v in zip(pairs, values) if m.coding == records.CLOSED_LOOP)
+    values = [None if m is None else restore_leaf(reader, m, t) for m, t in pairs]  # None: a partial's placeholder
+    if chained is not None:  # as saved: the chain goes on from the exact reconstruction, before any cast
+        chained.update((m.keystr, v) for (m, _), v in zip(pairs, values)
+                       if m is not None and m.coding == records.CLOSED_LOOP)
+    values = [v if m is None else _cast(m, t, v) for (m, t), v in zip(pairs, values)]
     if target is not None:
         return jax.tree_util.tree_unflatten(treedef, values)
     with store.reading(reader.directory, "the tree of key paths"):
         return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
 
 
-def match_target(reader: store.Reader, flat: list) -> list[tuple[records.Leaf, Any]]:
-    """(saved leaf, target leaf) pairs of a flattened target; a target that does not fit the saved tree is a
-    ValueError naming the leaves and saying what to pass."""
+def match_target(reader: store.Reader, flat: list, partial: bool = False) -> list[tuple[records.Leaf, Any]]:
+    """(saved leaf, target leaf) pairs of a flattened target (`partial`: it may leave saved leaves out); a target
+    that does not fit the saved tree is a ValueError naming the leaves and saying what to pass."""
     want = [jax.tree_util.keystr(p) for p, _ in flat]
-    missing = [k for k in want if k not in reader.leaves]
-    extra = sorted(set(reader.leaves) - set(want))
+    skipped = {k for k, (_, t) in zip(want, flat) if partial and t is None and k not in reader.leaves}
+    missing = [k for k in want if k not in reader.leaves and k not in skipped]
+    extra = [] if partial else sorted(set(reader.leaves) - set(want))
     if missing or extra:
+        hint = ("Pass a target with the saved structure; InshrinkRestore(target, partial_restore=True) to restore "
+                "only the leaves it names; or InshrinkRestore() to get the saved tree as nested dicts.")
         raise ValueError(f"{store.describe(reader.directory)}: the restore target does not match the saved tree. "
                          f"In the target but not saved: {missing[:20]}; saved but not in the target: "
-                         f"{extra[:20]}. Pass a target with the saved structure, or InshrinkRestore() to get "
-                         "the saved tree as nested dicts.")
-    problems = [f"{k}: {p}" for k, (_, t) in zip(want, flat) if (p := _mismatch(reader.leaves[k], t))]
+                         f"{extra[:20]}. {hint}")
+    problems = [f"{k}: {p}" for k, (_, t) in zip(want, flat)
+                if k not in skipped and (p := _mismatch(reader.leaves[k], t))]
     if problems:
         raise ValueError(f"{store.describe(reader.directory)}: the restore target does not match the saved "
                          f"leaves: " + "; ".join(problems[:20]))
-    return [(reader.leaves[k], t) for k, (_, t) in zip(want, flat)]
+    return [(reader.leaves.get(k), t) for k, (_, t) in zip(want, flat)]
 
 
 def overlap(a: list[list[int]], b: list[list[int]]):
@@ -88,9 +102,10 @@ def _mismatch(m: records.Leaf, t) -> str | None:
         return None  # a target for the key data (what ocp.utils.to_shape_dtype_struct makes of a key): a key
     if shape != tuple(m.shape):
         return f"saved shape {tuple(m.shape)}, target {shape}"
-    if hasattr(t, "dtype") and jnp.dtype(t.dtype) != jnp.dtype(m.dtype):
-        return f"saved dtype {m.dtype}, target {jnp.dtype(t.dtype).name}"
-    if m.dtype in _X64_DTYPES and not jax.config.jax_enable_x64 and not _is_numpy(m, t):
+    dtype = cast_dtype(m, t) or jnp.dtype(m.dtype)
+    if hasattr(t, "dtype") and jnp.dtype(t.dtype) != dtype:  # a key, a string: nothing to cast between
+        return f"saved dtype {m.dtype}, target {jnp.dtype(t.dtype).name}, which it cannot be cast to"
+    if dtype.name in _X64_DTYPES and not jax.config.jax_enable_x64 and not _is_numpy(m, t):
         return (f"saved as {m.dtype}, which a jax array holds only with jax_enable_x64; enable it, or restore "
                 "into a NumPy target (np.zeros(shape, dtype)) to get the values exactly")
     try:
@@ -98,6 +113,25 @@ def _mismatch(m: records.Leaf, t) -> str | None:
     except ValueError as e:
         return f"the target sharding does not fit shape {tuple(m.shape)} ({e})"
     return None
+
+
+def cast_dtype(m: records.Leaf, target) -> np.dtype | None:
+    """The dtype a leaf is cast to on restore, as Orbax casts: the target's, when it differs from the saved one
+    and both are numbers or bools (float32 saved, a bfloat16 target); else None."""
+    if target is None or not hasattr(target, "dtype") or m.kind not in ("array", "quantized", "dropped"):
+        return None
+    try:
+        want, saved = jnp.dtype(target.dtype), jnp.dtype(m.dtype)
+    except TypeError:  # a PRNG key's dtype
+        return None
+    numeric = all(jnp.issubdtype(d, jnp.number) or d == jnp.bool_ for d in (want, saved))
+    return want if want != saved and numeric else None
+
+
+def _cast(meta: records.Leaf, target, value):
+    """`value` in the dtype the target asks for (`cast_dtype`)."""
+    dtype = cast_dtype(meta, target)
+    return value if dtype is None or value.dtype == dtype else value.astype(dtype)
 
 
 def target_sharding(target) -> jax.sharding.Sharding:
@@ -113,7 +147,7 @@ def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
     overlaps (NumPy and zstandard release the GIL): delta chains make this the bulk of a restore."""
     needed = []
     for meta, target in pairs:
-        if meta.kind != "quantized" or meta.coding == records.CLOSED_LOOP:
+        if meta is None or meta.kind != "quantized" or meta.coding == records.CLOSED_LOOP:
             continue
         shape = tuple(meta.shape)
         boxes = [store.box_of(i, shape) for i in target_sharding(target).addressable_devices_indices_map(shape).values()]
@@ -193,13 +227,17 @@ def _host_box(reader: store.Reader, meta: records.Leaf, box, what: str, writable
 
 
 def _array(reader, meta: records.Leaf, target, what: str):
-    """A lossless leaf, bit-exact."""
-    shape = tuple(meta.shape)
+    """A lossless leaf, bit-exact (cast on the host to the target's dtype, if it asks for another)."""
+    shape, dtype = tuple(meta.shape), cast_dtype(meta, target)
+
+    def host(box, writable=False):
+        values = _host_box(reader, meta, box, what, writable and dtype is None)
+        return values if dtype is None else values.astype(dtype)
+
     if _is_numpy(meta, target):
-        values = _host_box(reader, meta, [[0, n] for n in shape], what, writable=True)
+        values = host([[0, n] for n in shape], writable=True)
         return values[()] if meta.type == records.NUMPY_SCALAR else values
-    return _make_array(shape, target_sharding(target),
-                       lambda box, dev: jax.device_put(_host_box(reader, meta, box, what), dev), what)
+    return _make_array(shape, target_sharding(target), lambda box, dev: jax.device_put(host(box), dev), what)
 
 
 def _prng_key(reader, meta: records.Leaf, target, what: str):

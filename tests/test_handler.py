@@ -335,3 +335,92 @@ def test_multiprocessing_options_every_host_primary_and_active_processes(tmp_pat
     assert mngr.item_metadata(1)["kind"] == "delta"
     r = mngr.restore(1, args=ij.InshrinkRestore(abstract(tree)))
     assert int(r["s"]) == 3 and np.corrcoef(np.ravel(r["w"]), np.ravel(tree["w"]))[0, 1] > 0.99
+
+
+def test_a_target_of_another_dtype_is_cast_as_orbax_casts(tmp_path):
+    """float32 saved into bfloat16 / float16 targets, int64 NumPy into an int32 target, a NumPy float32 target for
+    a saved bfloat16 array: cast on restore; a key stays an error. The closed-loop chain goes on from the exact
+    reconstruction, not the cast one: the next save after a cast restore is a delta whose restore equals an
+    uncast restore's chain."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(64, 64)).astype(np.float32)
+    tree = {"params": {"w": jnp.asarray(w), "b": jnp.arange(3.0)}, "i": np.array([7, -2]),
+            "z": jnp.ones((4,), jnp.bfloat16), "k": jax.random.key(0)}
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(tree))
+    mngr.wait_until_finished()
+    exact = mngr.restore(0)
+    target = {"params": {"w": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16), "b": jnp.zeros(3, jnp.float16)},
+              "i": jax.ShapeDtypeStruct((2,), jnp.int32), "z": np.zeros(4, np.float32), "k": jax.random.key(1)}
+    fresh = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False))
+    r = fresh.restore(tmp_path / "0" / "default", ij.InshrinkRestore(target))
+    assert r["params"]["w"].dtype == jnp.bfloat16 and r["params"]["b"].dtype == jnp.float16
+    np.testing.assert_array_equal(np.asarray(r["params"]["w"]), np.asarray(exact["params"]["w"]).astype(jnp.bfloat16))
+    assert r["i"].dtype == np.int32 and r["i"].tolist() == [7, -2]
+    assert isinstance(r["z"], np.ndarray) and r["z"].dtype == np.float32 and r["z"].tolist() == [1.0] * 4
+    with pytest.raises(ValueError, match=r"\['k'\]: saved a threefry2x32 key array"):
+        fresh.restore(tmp_path / "0" / "default", ij.InshrinkRestore(dict(target, k=jnp.zeros((), jnp.float32))))
+    # the chain continues from the float32 reconstruction
+    with ocp.CheckpointManager(tmp_path, item_handlers=fresh) as m2:
+        m2.save(1, args=ij.InshrinkSave(dict(tree, params={"w": jnp.asarray(w + 0.01), "b": jnp.arange(3.0)})))
+    assert m2.item_metadata(1)["kind"] != "keyframe"
+    again = ij.InshrinkCheckpointHandler().restore(tmp_path / "1" / "default", ij.InshrinkRestore())
+    assert np.max(np.abs(np.asarray(again["params"]["w"]) - (w + 0.01))) < 0.05
+
+
+def test_partial_restore_reads_only_the_leaves_the_target_names(tmp_path):
+    """A dict target that leaves keys out, and a TrainState target whose opt_state is None: restored with
+    partial_restore=True, refused without it with a message that names the option."""
+    import optax
+    from flax.training import train_state
+
+    params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)), jnp.float32)}
+    state = train_state.TrainState.create(apply_fn=lambda *a: None, params=params, tx=optax.adam(1e-3))
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(state))
+    mngr.wait_until_finished()
+    full = mngr.restore(0, args=ij.InshrinkRestore(state))
+    with pytest.raises(ValueError, match="partial_restore=True"):
+        mngr.restore(0, args=ij.InshrinkRestore(state.replace(opt_state=None)))
+    r = mngr.restore(0, args=ij.InshrinkRestore(state.replace(opt_state=None), partial_restore=True))
+    assert r.opt_state is None and int(r.step) == 0
+    np.testing.assert_array_equal(np.asarray(r.params["w"]), np.asarray(full.params["w"]))
+    d = tmp_path / "dict"
+    mngr = manager(d)
+    mngr.save(0, args=ij.InshrinkSave({"params": params, "opt": {"mu": params["w"] * 0.1}, "step": 3}))
+    mngr.wait_until_finished()
+    r = mngr.restore(0, args=ij.InshrinkRestore({"params": params}, partial_restore=True))
+    assert list(r) == ["params"] and r["params"]["w"].shape == (64, 64)
+
+
+def test_a_live_nnx_module_as_target_says_to_pass_its_state(tmp_path):
+    from flax import nnx
+
+    model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(nnx.state(model)))
+    mngr.wait_until_finished()
+    with pytest.raises(ValueError, match=r"pass nnx.state\(model\)"):
+        mngr.restore(0, args=ij.InshrinkRestore(model))
+    restored = mngr.restore(0, args=ij.InshrinkRestore(nnx.state(model)))
+    nnx.update(model, restored)
+    assert model.kernel.value.shape == (64, 32)
+
+
+def test_restore_latest_falls_back_past_a_corrupted_latest_step(tmp_path):
+    mngr = manager(tmp_path, ij.CompressionConfig(search=False))
+    for step in range(3):
+        mngr.save(step, args=ij.InshrinkSave({"params": {"w": jnp.full((64, 64), float(step))}, "step": step}))
+        mngr.wait_until_finished()
+    assert ij.restore_latest(mngr)[0] == 2
+    blob = object_dir(tmp_path, 2) / "blob.0"
+    raw = blob.read_bytes()
+    blob.write_bytes(bytes([raw[0] ^ 0xFF]) + raw[1:])  # its first segment no longer matches its CRC
+    with pytest.warns(UserWarning, match=r"skipping step 2, which cannot be restored: step 2, item 'default'"):
+        step, restored = ij.restore_latest(mngr)
+    assert step == 1 and restored["step"] == 1
+    for s in (0, 1):
+        (object_dir(tmp_path, s) / "blob.0").write_bytes(b"")
+    with pytest.raises(ij.CheckpointCorruptError, match="no step restores. step 2: .* step 1: .* step 0: "):
+        with pytest.warns(UserWarning):
+            ij.restore_latest(mngr)
