@@ -10,9 +10,11 @@ from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
 from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave, restore_latest
 from inshrink_jax.sensitivity import GradientEMA
 from inshrink_jax.store import CheckpointCorruptError
+from inshrink_jax.v1 import Compressed
 
 __all__ = [
     "CheckpointCorruptError",
+    "Compressed",
     "CompressionConfig",
     "GradientEMA",
     "InshrinkCheckpointHandler",

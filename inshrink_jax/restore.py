@@ -103,8 +103,8 @@ def _mismatch(m: records.Leaf, t) -> str | None:
     if shape != tuple(m.shape):
         return f"saved shape {tuple(m.shape)}, target {shape}"
     dtype = cast_dtype(m, t) or jnp.dtype(m.dtype)
-    if hasattr(t, "dtype") and jnp.dtype(t.dtype) != dtype:  # a key, a string: nothing to cast between
-        return f"saved dtype {m.dtype}, target {jnp.dtype(t.dtype).name}, which it cannot be cast to"
+    if hasattr(t, "dtype") and t.dtype != dtype:  # a key, a string: nothing to cast between
+        return f"saved dtype {m.dtype}, target {t.dtype}, which it cannot be cast to"
     if dtype.name in _X64_DTYPES and not jax.config.jax_enable_x64 and not _is_numpy(m, t):
         return (f"saved as {m.dtype}, which a jax array holds only with jax_enable_x64; enable it, or restore "
                 "into a NumPy target (np.zeros(shape, dtype)) to get the values exactly")
