@@ -20,7 +20,11 @@ def parse_args(doc: str, argv=None) -> argparse.Namespace:
 def report_save(mngr, step: int, loss) -> None:
     """Wait for the save of `step` (only to print its figures; training does not need to) and print them."""
     mngr.wait_until_finished()
-    f = mngr.item_metadata(step)
+    report_figures(step, loss, mngr.item_metadata(step))
+
+
+def report_figures(step: int, loss, f) -> None:
+    """Print a save's figures (`records.Figures`)."""
     q = f["search"]["chosen"]
     chosen = q if q == "lossless" else f"{q['bins']} bins, prune {q['prune_fraction']:.0%}"
     print(f"step {step}: loss {float(loss):.4f}; checkpoint {f['kind']}, {chosen}, params "
