@@ -106,6 +106,41 @@ def _summary(directory: str) -> dict:
             "config": reader.manifest.config, **figs}
 
 
+def _tree_bytes(path: str) -> int:
+    """Bytes of the files under `path` (0 if it is gone)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name), follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def _disk_usage(root: str, item: str, out: dict, names: dict) -> tuple[dict, dict]:
+    """(step -> bytes on disk of everything a restore of it reads: its step directory and every object of its
+    chain; the root's bytes by kind: step directories, objects some listed step owns, objects kept only as delta
+    bases, other files)."""
+    objects = {}
+
+    def object_bytes(ref):
+        if ref not in objects:
+            objects[ref] = _tree_bytes(str(store.object_path(root, item, ref)))
+        return objects[ref]
+
+    needs = {s: _tree_bytes(os.path.join(root, names[s])) + sum(object_bytes(r) for r in f["objects"])
+             for s, f in out.items() if "error" not in f}
+    owned = {f["object"] for f in out.values() if "error" not in f}
+    store_dir = str(store.objects_dir(root, item))
+    stored = {n: _tree_bytes(os.path.join(store_dir, n)) for n in (os.listdir(store_dir) if os.path.isdir(store_dir) else [])}
+    steps = sum(_tree_bytes(os.path.join(root, n)) for n in names.values())
+    kinds = {"step directories": steps, "objects of listed steps": sum(v for n, v in stored.items() if n in owned),
+             "objects kept as delta bases": sum(v for n, v in stored.items() if n not in owned)}
+    kinds["other files"] = _tree_bytes(root) - sum(kinds.values())
+    return needs, kinds
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -131,12 +166,15 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
         except store.CheckpointCorruptError as e:
             out[s] = {"error": str(e)}
     failed = int(any("error" in f for f in out.values()))  # exit 1 when a step cannot be read, as verify does
+    needs, kinds = _disk_usage(root, item, out, steps)
+    for s, n in needs.items():
+        out[s]["needs_bytes"] = n
     if as_json:
         print(json.dumps({str(k): v for k, v in out.items()}, indent=1))
         return failed
     print(f"{root}: item {item!r}, {len(steps)} step(s)")
-    print(f"{'step':>7} {'kind':>8} {'depth':>5} {'stored':>10} {'params':>8} {'optim.':>10} {'whole':>7} "
-          f"{'save s':>7}  configuration")
+    print(f"{'step':>7} {'kind':>8} {'depth':>5} {'stored':>10} {'needs':>10} {'params':>8} {'optim.':>10} "
+          f"{'whole':>7} {'degr.':>7} {'save s':>7}  configuration")
     for s, f in out.items():
         if "error" in f:
             print(f"{s:>7} ERROR {f['error']}")
@@ -144,10 +182,16 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
         q = f["quant"]
         conf = "lossless" if q is None else (f"{q['bins']} bins, prune {q['prune_fraction']:.0%} "
                                              f"({q['prune_metric']}), protect {q['protect_fraction']:.2%}")
+        degradation = f["search"].get("degradation") if isinstance(f["search"], dict) else None
+        degr = f"{degradation:+.2%}" if isinstance(degradation, (int, float)) and degradation == degradation \
+            and abs(degradation) != float("inf") else "-"
         print(f"{s:>7} {f['kind']:>8} {f['chain_depth']:>5} {_fmt_bytes(sum(f['stored_bytes'].values())):>10} "
-              f"{_ratio(f['ratio']['params']):>8} {_ratio(f['ratio']['optimizer']):>10} "
-              f"{f['ratio']['total']:>6.1f}x {f['total_seconds']:>7.2f}  {conf}; optimizer "
-              f"{f['config'].get('optimizer', 'lossless')}")
+              f"{_fmt_bytes(f['needs_bytes']):>10} {_ratio(f['ratio']['params']):>8} "
+              f"{_ratio(f['ratio']['optimizer']):>10} {f['ratio']['total']:>6.1f}x {degr:>7} "
+              f"{f['total_seconds']:>7.2f}  {conf}; optimizer {f['config'].get('optimizer', 'lossless')}")
+    print(f"on disk: {_fmt_bytes(sum(kinds.values()))} in all (" + ", ".join(
+        f"{k} {_fmt_bytes(v)}" for k, v in kinds.items()) + "); 'stored': a save's own bytes, 'needs': what "
+        "restoring it reads, its delta chain included; file sizes: `du` also counts directories)")
     if step is not None and "error" not in out[step]:
         f = out[step]
         print(f"\nstep {step}: object {f['object']}, delta bases {f['bases'] or 'none (keyframe)'}; search "
@@ -159,7 +203,8 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
         for m in f["leaves"]:
             detail = m["kind"] + (f" ({m['method']}{', residual' if 'base_leaf' in m else ''}, {m['bins']} levels)"
                                   if m["kind"] == "quantized" else "")
-            print(f"  {m['keystr']:<60} {detail:<32} {str(m.get('shape', '')):<16} {m.get('dtype', '')}")
+            key = m["keystr"] if len(m["keystr"]) <= 60 else m["keystr"] + "\n" + " " * 62  # long paths: own line
+            print(f"  {key:<60} {detail:<32} {str(m.get('shape', '')):<16} {m.get('dtype', '')}")
     return failed
 
 

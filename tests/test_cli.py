@@ -50,8 +50,13 @@ def test_inspect_lists_steps_chains_and_ratios(root, capsys):
     assert "item 'default', 3 step(s)" in out
     lines = [l.split() for l in out.splitlines() if l.strip()[:1].isdigit()]
     assert [(l[0], l[1], l[2]) for l in lines] == [("0", "keyframe", "0"), ("1", "delta", "1"), ("2", "delta", "2")]
+    files = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    assert f"on disk: {cli._fmt_bytes(files)} in all" in out
     assert cli.main(["inspect", str(root), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
+    own = {s: sum(p.stat().st_size for p in (root / store.OBJECTS / "default" / data[s]["object"]).rglob("*")
+                  if p.is_file()) for s in data}
+    assert data["0"]["needs_bytes"] > own["0"] and data["2"]["needs_bytes"] > own["2"] + own["1"] + own["0"]
     assert sorted(data) == ["0", "1", "2"]
     assert data["2"]["bases"] == [data["1"]["object"]] and data["2"]["kind"] == "delta"
     assert data["2"]["ratio"]["params"] > 4 and data["2"]["config"]["optimizer"] == "quantize"
