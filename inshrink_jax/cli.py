@@ -133,7 +133,8 @@ def _disk_usage(root: str, item: str, out: dict, names: dict) -> tuple[dict, dic
              for s, f in out.items() if "error" not in f}
     owned = {f["object"] for f in out.values() if "error" not in f}
     store_dir = str(store.objects_dir(root, item))
-    stored = {n: _tree_bytes(os.path.join(store_dir, n)) for n in (os.listdir(store_dir) if os.path.isdir(store_dir) else [])}
+    stored = {n: _tree_bytes(os.path.join(store_dir, n))
+              for n in (os.listdir(store_dir) if os.path.isdir(store_dir) else [])}
     steps = sum(_tree_bytes(os.path.join(root, n)) for n in names.values())
     kinds = {"step directories": steps, "objects of listed steps": sum(v for n, v in stored.items() if n in owned),
              "objects kept as delta bases": sum(v for n, v in stored.items() if n not in owned)}
