@@ -54,6 +54,7 @@ def train_step(model, optimizer, x, y):
 
 def main(argv=None):
     args = loop_cli.parse_args(__doc__, argv)
+    ij.enable_compilation_cache()  # a resumed process loads the encoders compiled before instead of compiling
 
     train_x, train_y, (eval_x, eval_y), test_x, test_y = digits.load_with_eval()
 

@@ -25,6 +25,7 @@ import inshrink_jax as ij  # noqa: E402
 
 def main(argv=None):
     args = loop_cli.parse_args(__doc__, argv)
+    ij.enable_compilation_cache()  # a resumed process loads the encoders compiled before instead of compiling
 
     train_x, train_y, (eval_x, eval_y), test_x, test_y = digits.load_with_eval()
     eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, eval_x, eval_y))

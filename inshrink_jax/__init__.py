@@ -6,6 +6,7 @@
     state = mngr.restore(step, args=inshrink_jax.InshrinkRestore(abstract_state))
 """
 
+from inshrink_jax.cache import enable_compilation_cache
 from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
 from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave, restore_latest
 from inshrink_jax.sensitivity import GradientEMA
@@ -22,6 +23,7 @@ __all__ = [
     "InshrinkSave",
     "QuantConfig",
     "SearchSpace",
+    "enable_compilation_cache",
     "restore_latest",
 ]
 __version__ = "0.1.0"

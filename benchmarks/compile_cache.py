@@ -1,0 +1,107 @@
+"""What a resumed job waits for before its first save returns, with and without JAX's persistent compilation
+cache (`ij.enable_compilation_cache`), measured side by side in one run.
+
+Usage: python benchmarks/compile_cache.py [--repeats 2] [--out FILE]   (needs the `bench` extra)
+
+Workload: the character transformer of bench_fault_tolerance.py (440k parameters, AdamW), default
+CompressionConfig, a GradientEMA and the held-out loss as eval_fn. A first process trains 30 steps and saves.
+Then, for each setting, a new process (a resumed job) restores that step, trains 30 steps and saves again; it
+reports the restore's seconds and how long its first save blocked. Settings: no persistent cache; an empty cache
+(the first job on a machine: it compiles and fills the cache); the cache the previous job filled (every later
+resume). Processes of different settings alternate, `--repeats` times; the table gives each setting's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+import jax
+import inshrink_jax as ij
+if sys.argv[4]:
+    ij.enable_compilation_cache(sys.argv[4])
+import bench_fault_tolerance as ft, digits, orbax.checkpoint as ocp
+work = ft.CharLM(0, 600)
+state = work.create_state()
+eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+mngr = ocp.CheckpointManager(sys.argv[2], item_handlers=ij.InshrinkCheckpointHandler())
+start = int(sys.argv[3])
+out = {}
+if start:
+    t = time.perf_counter()
+    state = mngr.restore(start, args=ij.InshrinkRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state)))
+    jax.block_until_ready(state)
+    out["restore_s"] = time.perf_counter() - t
+sens = ij.GradientEMA(every=30)
+ema = sens.init(state.params)
+for step in range(start + 1, start + 31):
+    state, loss, grads = digits.train_step(state, *work.batch(step))
+    ema = sens.update(ema, grads)
+jax.block_until_ready(state)
+t = time.perf_counter()
+mngr.save(start + 30, args=ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
+out["save_blocking_s"] = time.perf_counter() - t
+mngr.wait_until_finished()
+out["save_total_s"] = time.perf_counter() - t
+print(json.dumps(out))
+"""
+
+
+def run(root: str, start: int, cache: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD, HERE, root, str(start), cache], capture_output=True,
+                          text=True, timeout=1200)
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    work = tempfile.mkdtemp()
+    first = os.path.join(work, "first")
+    run(first, 0, "")
+    rows = {"no persistent cache": [], "empty cache (first job on a machine)": [],
+            "cache filled by the previous job": []}
+    for r in range(args.repeats):
+        for setting in rows:
+            root = os.path.join(work, f"resume{r}-{len(rows[setting])}-{abs(hash(setting))}")
+            shutil.copytree(first, root)
+            cache = "" if setting.startswith("no") else os.path.join(work, f"cache{r}")
+            if setting.startswith("empty"):
+                shutil.rmtree(cache, ignore_errors=True)
+            rows[setting].append(run(root, 30, cache))
+            print(setting, rows[setting][-1], flush=True)
+    med = {s: {k: statistics.median(x[k] for x in v) for k in v[0]} for s, v in rows.items()}
+    base = med["no persistent cache"]["save_blocking_s"]
+    lines = ["# A resumed job's first save, with and without JAX's persistent compilation cache", "",
+             f"Command: `python benchmarks/compile_cache.py --repeats {args.repeats}`", "",
+             __doc__.split("\n\n", 2)[2].strip(), "",
+             "| setting | restore s | first save blocks s | first save total s | blocking vs no cache |",
+             "|---|---:|---:|---:|---:|"]
+    for s, m in med.items():
+        lines.append(f"| {s} | {m['restore_s']:.2f} | {m['save_blocking_s']:.2f} | {m['save_total_s']:.2f} | "
+                     f"{m['save_blocking_s'] / base:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""JAX's persistent compilation cache for inshrink_jax's kernels: a resumed job's first save loads the encoders
+it compiled before instead of compiling them again (benchmarks/results/compile_cache.md)."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None) -> str:
+    """Turn on JAX's persistent compilation cache in `directory` and return the directory in use.
+
+    JAX's setting is process-wide: it caches every compilation that takes longer than
+    `jax_persistent_cache_min_compile_time_secs` (1 s by default), the training step's included, which a
+    resumed job also gains from. A cache directory configured before (`jax_compilation_cache_dir`, or the
+    `JAX_COMPILATION_CACHE_DIR` environment variable) is kept and returned. `directory` None:
+    `$XDG_CACHE_HOME/inshrink_jax/jax`, else `~/.cache/inshrink_jax/jax`. Call it once at startup, before the
+    first save or restore.
+    """
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    if directory is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        directory = os.path.join(base, "inshrink_jax", "jax")
+    directory = os.path.abspath(os.path.expanduser(os.fspath(directory)))
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    return directory
