@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import sys
 
 import jax.numpy as jnp
@@ -298,6 +299,34 @@ def export(root: str, step: int, item: str | None, out: str) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- copy
+def copy(root: str, step: int, item: str | None, out: str) -> int:
+    """Copy one step, with every object its restore reads (its own and its delta chain's), into a new root
+    `out`: a self-contained checkpoint that restores with the original deleted and accepts further saves."""
+    steps = _steps(root)
+    item = _item(root, steps, item)
+    name = _select(steps, step, root)[step]
+    if os.path.exists(out):
+        raise SystemExit(f"inshrink-jax: {out} exists; copy writes a new root")
+    reader = store.Reader(os.path.join(root, name, item))
+    refs = [r for r in reader.commit["objects"] if not store.is_external(r)]
+    for r in refs:
+        reader.object(r)  # each there and matching the step's records before anything is copied
+    progress = _Progress("copy", len(refs) + 1)
+    tmp = out + ".inshrink-copy-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(os.path.join(root, name), os.path.join(tmp, name))
+    progress.step(f"step {step}")
+    for r in refs:
+        shutil.copytree(str(store.object_path(root, item, r)), str(store.object_path(tmp, item, r)))
+        progress.step(f"object {r}")
+    os.rename(tmp, out)
+    external = [r for r in reader.commit["objects"] if store.is_external(r)]
+    print(f"step {step} of {root} copied to {out} with {len(refs)} object(s) ({_fmt_bytes(_tree_bytes(out))})"
+          + (f"; it still reads its base checkpoint {external[0]}" if external else ""))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------------ gc
 def gc(root: str, item: str | None, apply: bool) -> int:
     steps = _steps(root)
@@ -350,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, required=True, help="the step to export")
     p.add_argument("out", help="the directory to write (must not exist)")
     p.add_argument("--item", help=item_help)
+    p = sub.add_parser("copy", help="copy a step with the objects it needs into a new root (self-contained)")
+    p.add_argument("path", help=root_help)
+    p.add_argument("--step", type=int, required=True, help="the step to copy")
+    p.add_argument("out", help="the new root to write (must not exist)")
+    p.add_argument("--item", help=item_help)
     p = sub.add_parser("gc", help="delete data no step references (dry run unless --apply)")
     p.add_argument("path", help=root_help)
     p.add_argument("--item", help=item_help)
@@ -362,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             code = verify(a.path, a.step, a.item)
         elif a.command == "export":
             code = export(a.path, a.step, a.item, a.out)
+        elif a.command == "copy":
+            code = copy(a.path, a.step, a.item, a.out)
         else:
             code = gc(a.path, a.item, a.apply)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit

@@ -445,9 +445,17 @@ class _Object:
                     f"{describe(directory)}: is stored against a base checkpoint in another directory, and needs "
                     f"its object {self.path}, which is missing: the base was deleted or moved. Put the base "
                     "checkpoint back where it was; this step cannot be restored without it.")
+            root, item, step = locate(directory)
+            if not objects_dir(root, item).is_dir():
+                raise CheckpointCorruptError(
+                    f"{describe(directory)}: needs object {object_id}, which is not here: a step's data lives in "
+                    f"its root's object store ({self.path.parent}), outside the step directory, and no store is "
+                    f"beside this step (a step directory copied on its own?). Copy a step with `inshrink-jax copy "
+                    f"ROOT --step {step} NEW_ROOT`, which takes the objects it needs along.")
             raise CheckpointCorruptError(
                 f"{describe(directory)}: needs object {object_id} ({self.path}), which is missing; it was deleted "
-                "outside inshrink_jax. This step cannot be restored; restore another step.")
+                "outside inshrink_jax (or the step was copied without it: `inshrink-jax copy ROOT --step N "
+                "NEW_ROOT` copies a step with its objects). This step cannot be restored; restore another step.")
         try:
             self.commit, raw = read_json(self.path / COMMIT, f"commit record of object {object_id}", directory)
         except CheckpointCorruptError:

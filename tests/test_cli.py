@@ -238,6 +238,34 @@ def test_every_file_swapped_between_any_two_steps_is_refused(tmp_path_factory, c
     assert swaps == 72
 
 
+def test_copy_makes_a_step_that_restores_on_its_own_and_a_bare_copy_says_how(root, tmp_path, capsys):
+    """`inshrink-jax copy` takes a delta step and the objects of its chain into a new root that restores with the
+    original gone, passes verify and accepts saves; a step directory copied on its own names the missing object
+    and that command."""
+    src = copy(root, tmp_path)
+    want = ij.InshrinkCheckpointHandler().restore(src / "2" / "default", ij.InshrinkRestore())
+    assert cli.main(["copy", str(src), "--step", "2", str(tmp_path / "alone")]) == 0
+    assert "copied to" in capsys.readouterr().out
+    bare = tmp_path / "bare"
+    shutil.copytree(src / "2", bare / "2")
+    shutil.rmtree(src)
+    got = ij.InshrinkCheckpointHandler().restore(tmp_path / "alone" / "2" / "default", ij.InshrinkRestore())
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert cli.main(["verify", str(tmp_path / "alone")]) == 0
+    mngr = ocp.CheckpointManager(tmp_path / "alone", item_handlers=ij.InshrinkCheckpointHandler(
+        ij.CompressionConfig(search=False, optimizer="quantize")))
+    assert mngr.all_steps() == [2]
+    mngr.save(3, args=ij.InshrinkSave(state_at(3)))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2, 3] and mngr.restore(3)["step"] == 3
+    with pytest.raises(ij.CheckpointCorruptError, match=r"needs object 2\.0, which is not here.*inshrink-jax copy "
+                                                         r"ROOT --step 2 NEW_ROOT"):
+        ij.InshrinkCheckpointHandler().restore(bare / "2" / "default", ij.InshrinkRestore())
+    with pytest.raises(SystemExit, match="exists"):
+        cli.main(["copy", str(tmp_path / "alone"), "--step", "2", str(bare)])
+
+
 def test_a_foreign_entry_in_the_object_store_neither_fails_a_save_nor_is_deleted(root, tmp_path):
     dst = copy(root, tmp_path)
     foreign = dst / store.OBJECTS / "default" / "notes (copy)"
