@@ -56,6 +56,8 @@ def _steps(root: str) -> dict[int, str]:
     `step_format_fixed_length` of `CheckpointManagerOptions`)."""
     if not os.path.isdir(root):
         raise SystemExit(f"inshrink-jax: {root} is not a directory")
+    if _standalone(root):  # a plain ocp.Checkpointer's checkpoint: one save, the directory itself
+        return {0: "."}
     out: dict[int, str] = {}
     for d in sorted(os.listdir(root)):
         m = _STEP_NAME.fullmatch(d)
@@ -67,9 +69,16 @@ def _steps(root: str) -> dict[int, str]:
     return dict(sorted(out.items()))
 
 
+def _standalone(root: str) -> bool:
+    """Whether PATH is a standalone checkpoint (written by a plain `ocp.Checkpointer`), not a manager's root."""
+    return os.path.exists(os.path.join(root, store.MANIFEST)) and store.is_standalone(root)
+
+
 def _item(root: str, steps: dict[int, str], item: str | None) -> str:
     """The item name: `item`, or the one item of the steps whose manifest was written by inshrink_jax (without
     steps: the one item of the object store)."""
+    if _standalone(root):
+        return "."
     if item is not None:
         return item
     found = set() if steps else set(os.listdir(os.path.join(root, store.OBJECTS))) \
@@ -124,19 +133,22 @@ def _disk_usage(root: str, item: str, out: dict, names: dict) -> tuple[dict, dic
     chain; the root's bytes by kind: step directories, objects some listed step owns, objects kept only as delta
     bases, other files)."""
     objects = {}
+    item = store.STANDALONE if _standalone(root) else item
 
     def object_bytes(ref):
         if ref not in objects:
             objects[ref] = _tree_bytes(str(store.object_path(root, item, ref)))
         return objects[ref]
 
-    needs = {s: _tree_bytes(os.path.join(root, names[s])) + sum(object_bytes(r) for r in f["objects"])
+    needs = {s: _tree_bytes(root) if _standalone(root) else
+             _tree_bytes(os.path.join(root, names[s])) + sum(object_bytes(r) for r in f["objects"])
              for s, f in out.items() if "error" not in f}
     owned = {f["object"] for f in out.values() if "error" not in f}
     store_dir = str(store.objects_dir(root, item))
     stored = {n: _tree_bytes(os.path.join(store_dir, n))
               for n in (os.listdir(store_dir) if os.path.isdir(store_dir) else [])}
-    steps = sum(_tree_bytes(os.path.join(root, n)) for n in names.values())
+    steps = _tree_bytes(root) - _tree_bytes(os.path.join(root, store.OBJECTS)) if _standalone(root) else \
+        sum(_tree_bytes(os.path.join(root, n)) for n in names.values())
     kinds = {"step directories": steps, "objects of listed steps": sum(v for n, v in stored.items() if n in owned),
              "objects kept as delta bases": sum(v for n, v in stored.items() if n not in owned)}
     kinds["other files"] = _tree_bytes(root) - sum(kinds.values())
@@ -174,7 +186,8 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
     if as_json:
         print(json.dumps({str(k): v for k, v in out.items()}, indent=1))
         return failed
-    print(f"{root}: item {item!r}, {len(steps)} step(s)")
+    print(f"{root}: " + ("a standalone checkpoint (ocp.Checkpointer)" if _standalone(root) else
+                         f"item {item!r}, {len(steps)} step(s)"))
     print(f"{'step':>7} {'kind':>8} {'depth':>5} {'stored':>10} {'needs':>10} {'params':>8} {'optim.':>10} "
           f"{'whole':>7} {'degr.':>7} {'save s':>7}  configuration")
     for s, f in out.items():
@@ -269,7 +282,8 @@ def verify(root: str, step: int | None, item: str | None) -> int:
     problems = list(dict.fromkeys(problems))  # one line per distinct problem
     for p in problems:
         print(f"PROBLEM {p}")
-    print(f"{root}: item {item!r}: {len(chosen)} step(s) checked, "
+    print(f"{root}: " + ("standalone checkpoint" if _standalone(root) else f"item {item!r}: {len(chosen)} step(s)")
+          + " checked, "
           + ("all good" if not problems else f"{len(problems)} problem(s)"))
     return 1 if problems else 0
 
@@ -304,6 +318,9 @@ def copy(root: str, step: int, item: str | None, out: str) -> int:
     """Copy one step, with every object its restore reads (its own and its delta chain's), into a new root
     `out`: a self-contained checkpoint that restores with the original deleted and accepts further saves."""
     steps = _steps(root)
+    if _standalone(root):
+        raise SystemExit(f"inshrink-jax: {root} is a standalone checkpoint, self-contained already: copy the "
+                         "directory as it is")
     item = _item(root, steps, item)
     name = _select(steps, step, root)[step]
     if os.path.exists(out):
@@ -330,6 +347,9 @@ def copy(root: str, step: int, item: str | None, out: str) -> int:
 # ------------------------------------------------------------------------------------------------------ gc
 def gc(root: str, item: str | None, apply: bool) -> int:
     steps = _steps(root)
+    if _standalone(root):
+        print(f"{root}: a standalone checkpoint (one save, its objects inside it): nothing to collect")
+        return 0
     item = _item(root, steps, item)
     plan = store.collect_garbage(root, item, dry_run=not apply, concurrent=True)
     if plan is None:

@@ -81,16 +81,37 @@ def _base(name: str) -> str:
     return name.split(TMP_SUFFIX)[0]
 
 
-def locate(directory) -> tuple[epath.Path, str, str]:
-    """(root, item name, step name) of an Orbax item directory `<root>/<step>[tmp]/<item>[tmp]`."""
+# The item name of a standalone checkpoint (written by a plain `ocp.Checkpointer`, not a CheckpointManager): its
+# objects live inside it, under `inshrink_objects/standalone/`, and its one save is step "0".
+STANDALONE = "standalone"
+
+
+def is_standalone(directory) -> bool:
+    """Whether the handler's directory is a checkpoint of its own (a plain `ocp.Checkpointer(handler)` gives the
+    handler the checkpoint's path) rather than an item of a CheckpointManager step (`<root>/<step>/<item>`). While
+    Orbax saves on a local filesystem it names the directory it writes `<path>.orbax-checkpoint-tmp`, and a step's
+    item directory sits in a temporary step directory too; once saved, a standalone checkpoint holds its object
+    store. (On storage where Orbax writes in place, such as GCS, a save cannot tell: it takes the managed layout.)"""
     d = epath.Path(directory)
+    if TMP_SUFFIX in d.name:
+        return TMP_SUFFIX not in d.parent.name
+    return (d / OBJECTS).is_dir()
+
+
+def locate(directory) -> tuple[epath.Path, str, str]:
+    """(root, item name, step name) of an Orbax item directory `<root>/<step>[tmp]/<item>[tmp]`; of a standalone
+    checkpoint, (itself, STANDALONE, "0")."""
+    d = epath.Path(directory)
+    if is_standalone(d):
+        return d, STANDALONE, "0"
     return d.parent.parent, _base(d.name), _base(d.parent.name)
 
 
 def describe(directory) -> str:
-    """'step S, item I (path)' for error messages, from an Orbax item directory."""
+    """'step S, item I (path)' for error messages, from an Orbax item directory ('checkpoint (path)' for a
+    standalone one)."""
     _, item, step = locate(directory)
-    return f"step {step}, item {item!r} ({directory})"
+    return f"checkpoint ({directory})" if item == STANDALONE else f"step {step}, item {item!r} ({directory})"
 
 
 def _missing(directory, what: str) -> CheckpointCorruptError:
@@ -352,6 +373,8 @@ def finalize(directory) -> dict:
     raw = write_json(path / COMMIT, record)
     write_json(epath.Path(directory) / COMMIT, {"object": object_id, "manifest_crc32": manifest_crc,
                                                 "objects": {object_id: crc32(raw), **closure, **outside}})
+    if item == STANDALONE:  # its one save's objects, all referenced: nothing to collect
+        return record
     try:  # the save is complete: collecting garbage is housekeeping that must not fail it
         collect_garbage(root, item, current=directory)
     except OSError as e:

@@ -425,3 +425,29 @@ def test_restore_latest_falls_back_past_a_corrupted_latest_step(tmp_path):
     with pytest.raises(ij.CheckpointCorruptError, match="no step restores. step 2: .* step 1: .* step 0: "):
         with pytest.warns(UserWarning):
             ij.restore_latest(mngr)
+
+
+@pytest.mark.parametrize("checkpointer", [ocp.Checkpointer, ocp.AsyncCheckpointer])
+def test_a_plain_checkpointer_keeps_everything_under_its_path(tmp_path, checkpointer):
+    """`ocp.Checkpointer(handler).save(path)` writes nothing outside `path` (its objects live inside it), so a
+    moved or deleted checkpoint takes all its data along; each save is a keyframe; verify and inspect read it."""
+    from inshrink_jax import cli
+
+    rng = np.random.default_rng(0)
+    trees = [{"params": {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)}, "step": i} for i in range(2)]
+    ckptr = checkpointer(ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False)))
+    for i, tree in enumerate(trees):
+        ckptr.save(tmp_path / "runs" / f"ck{i}", args=ij.InshrinkSave(tree))
+        if hasattr(ckptr, "wait_until_finished"):
+            ckptr.wait_until_finished()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ck0", "ck1"]
+    want = ij.InshrinkCheckpointHandler().restore(tmp_path / "runs" / "ck1", ij.InshrinkRestore())
+    (tmp_path / "runs" / "ck1").rename(tmp_path / "moved")
+    got = ocp.Checkpointer(ij.InshrinkCheckpointHandler()).restore(tmp_path / "moved")
+    assert got["step"] == 1 and ij.store.Reader(tmp_path / "moved").figures()["kind"] == "keyframe"
+    np.testing.assert_array_equal(np.asarray(got["params"]["w"]), np.asarray(want["params"]["w"]))
+    assert cli.main(["verify", str(tmp_path / "moved")]) == 0 and cli.main(["inspect", str(tmp_path / "moved")]) == 0
+    with pytest.raises(TypeError, match="unsupported type object"):  # a refused save leaves nothing either
+        ckptr.save(tmp_path / "runs" / "bad", args=ij.InshrinkSave({"x": object()}))
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ck0"]
