@@ -132,13 +132,18 @@ def is_external(ref: str) -> bool:
     return ref.startswith("/") or "://" in ref
 
 
+def is_plain_name(ref) -> bool:
+    """Whether an object reference is a name in this root's store (no separator, no '..')."""
+    return isinstance(ref, str) and bool(_OBJECT_NAME.match(ref)) and ".." not in ref
+
+
 def object_path(root, item: str, ref: str) -> epath.Path:
     """Directory of the object `ref`: a name in this root's store, or the absolute path of an object in another
     root's store (the base checkpoint of fine-tunes, `InshrinkCheckpointHandler(base=...)`). A name that could
     leave the store (a separator, '..') is refused."""
     if is_external(ref):
         return epath.Path(ref)
-    if not isinstance(ref, str) or not _OBJECT_NAME.match(ref) or ".." in ref:
+    if not is_plain_name(ref):
         raise CheckpointCorruptError(f"object reference {ref!r} is not a plain object name of {objects_dir(root, item)}")
     return objects_dir(root, item) / ref
 
@@ -582,7 +587,7 @@ class Reader:
         self.object_id = self.commit["object"]
         base = (self.manifest.base or {}).get("object")
         for ref in self.commit["objects"]:  # plain names of this root's store, or the base checkpoint's object
-            if ref != base and (is_external(ref) or not _OBJECT_NAME.match(ref) or ".." in ref):
+            if ref != base and not is_plain_name(ref):
                 raise CheckpointCorruptError(f"{describe(self.directory)}: the commit record lists object {ref!r}, "
                                              "which is neither a plain object name of this root's store nor the "
                                              "manifest's base checkpoint")
