@@ -29,6 +29,12 @@ class QuantConfig:
       prune_metric: "magnitude" (|w|) or "sensitivity" (|g_ema * w|): which score ranks weights for pruning.
       protect_fraction: weights whose magnitude OR sensitivity is in the top `protect_fraction` of their
         tensor are kept near-exact.
+      step: 0 (the paper's levels: weighted k-means with K levels), or the levels of an entropy-coded uniform
+        quantizer: cells of width `step` times the RMS of the tensor's quantized values, centred on 0, cells
+        -M..M with M = (K - 1) // 2 (values beyond go to the outer cells), each cell's level the mean of its
+        values. K then only bounds the range; the step sets the error and the bits. Closed-loop residuals use
+        it (`RESIDUAL_SPACE`): at the same squared error, its codes take 15-20% fewer bits than K-means levels,
+        whose K near-equally used levels cost about log2 K bits.
     """
 
     bins: int = 16
@@ -36,6 +42,7 @@ class QuantConfig:
     prune_fraction: float = 0.0
     prune_metric: str = "magnitude"
     protect_fraction: float = 0.005
+    step: float = 0.0
 
     def __post_init__(self):
         for name in ("bins", "embedding_bins"):
@@ -46,6 +53,8 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.prune_fraction must be in [0, 1), got {self.prune_fraction!r}")
         if not 0.0 <= self.protect_fraction <= 1.0:
             raise ValueError(f"QuantConfig.protect_fraction must be in [0, 1], got {self.protect_fraction!r}")
+        if isinstance(self.step, bool) or not isinstance(self.step, numbers.Real) or not 0.0 <= self.step < math.inf:
+            raise ValueError(f"QuantConfig.step must be a finite real >= 0 (0: k-means levels), got {self.step!r}")
         if self.prune_metric not in PRUNE_METRICS:
             raise ValueError(f"QuantConfig.prune_metric must be one of {PRUNE_METRICS}, got {self.prune_metric!r}")
 
@@ -60,7 +69,8 @@ class SearchSpace:
 
     216 configurations per embedding-bins value: 6 bin counts x 6 prune fractions x 3 protect fractions x
     2 prune metrics. The order given does not matter; the search orders each axis from most to least
-    aggressive itself. `embedding_bins` is searched only when the state has embedding tables.
+    aggressive itself. `embedding_bins` is searched only when the state has embedding tables. `steps`: the
+    uniform quantizer's steps (QuantConfig.step; larger is more aggressive), or (0.0,) for k-means levels.
     """
 
     bins: tuple[int, ...] = (4, 6, 8, 12, 16, 32)
@@ -68,9 +78,10 @@ class SearchSpace:
     prune_fractions: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
     protect_fractions: tuple[float, ...] = (0.0005, 0.005, 0.01)
     prune_metrics: tuple[str, ...] = ("magnitude", "sensitivity")
+    steps: tuple[float, ...] = (0.0,)
 
     def __post_init__(self):
-        for name in ("bins", "embedding_bins", "prune_fractions", "protect_fractions", "prune_metrics"):
+        for name in ("bins", "embedding_bins", "prune_fractions", "protect_fractions", "prune_metrics", "steps"):
             values = getattr(self, name)
             if not isinstance(values, tuple) or not values or len(set(values)) != len(values):
                 raise ValueError(f"SearchSpace.{name} must be a non-empty tuple of distinct values, got {values!r}")
@@ -83,15 +94,21 @@ class SearchSpace:
             QuantConfig(protect_fraction=f)
         for m in self.prune_metrics:
             QuantConfig(prune_metric=m)
+        for x in self.steps:
+            QuantConfig(step=x)
+        if len(self.steps) > 1 and 0.0 in self.steps:
+            raise ValueError(f"SearchSpace.steps mixes k-means levels (0.0) with uniform steps: {self.steps!r}")
 
 
 # The space of a closed-loop residual save: the residual w_t - w_hat_{t-1} is one interval's change (plus the error
-# the previous save left), so far fewer levels, and much more pruning (a pruned residual keeps its previous
-# reconstruction; its error is carried to the next save), than a weight needs. Pruned by magnitude only: the
-# proxy that scores residual candidates weights every element alike (see CompressionConfig.residual_budget). Twelve
-# points (embedding tables take 3 levels, not an axis of their own): the search runs at every save.
-RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 8), embedding_bins=(3,), prune_fractions=(0.0, 0.5, 0.8),
-                             protect_fractions=(0.0,), prune_metrics=("magnitude",))
+# the previous save left), coded by an entropy-coded uniform quantizer (QuantConfig.step): its zero cell is the
+# residuals left for the next save to carry, and the step alone sets the error and the bytes. Five cells: the
+# codes then pack two to a byte before zstd (codec "zstd-radix", within 4-8% of their order-0 entropy, where 31
+# cells cost 50% over it), and values beyond +-2.5 steps are rare at these steps. Eight points, from 1 to 4 times
+# the residual's RMS (about 2 to 0.5 bits a weight; every element weighted alike, see
+# CompressionConfig.residual_budget): the search runs at every save.
+RESIDUAL_SPACE = SearchSpace(bins=(5,), embedding_bins=(5,), prune_fractions=(0.0,), protect_fractions=(0.0,),
+                             prune_metrics=("magnitude",), steps=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +126,9 @@ class CompressionConfig:
       kmeans_restarts: independent k-means++ initialisations (run batched); the lowest-loss one is kept.
       protected_dtype: storage of protected weights, "bfloat16" (paper) or "float32". Leaves that are already
         16-bit keep their own dtype for protected values, which is exact at no extra cost.
-      min_compress_size: float leaves with fewer elements, or with fewer than 2 dimensions, are stored
-        losslessly (biases, norm scales, step counters).
+      min_compress_size: float parameters with fewer elements, or with fewer than 2 dimensions, are stored
+        losslessly (biases, norm scales). Optimizer moments are quantized from 64 elements, 1-D ones included
+        (`save.MIN_MOMENT_SIZE`: their error is relative per element, whatever the tensor's size).
       layer_type_rules: (regex, layer_type) pairs tried in order on the leaf's path before the default rule
         (see `quantize.layer_type`); e.g. (("head", "dense"),).
       seed: seed of the PRNG key used for k-means++ initialisation (results are deterministic given it).
@@ -159,7 +177,7 @@ class CompressionConfig:
       moment_bins: log-magnitude levels of a quantized second moment (`nu`; in [2, 127]). 16: a second moment
         scales every update for hundreds of steps; at 8 or 4 levels 1% of a trained transformer's step sizes move
         by 2.3x or 5.1x (benchmarks/results/moment_error.md).
-      first_moment_bins: log-magnitude levels per sign of a quantized first moment (`mu`, `trace`; in [2, 127]).
+      first_moment_bins: log-magnitude levels per sign of a quantized first moment (`mu`, `trace`; in [1, 127]).
         2: a first moment is new at every save (so it costs its full entropy each time) and its error fades
         within ~1 / (1 - b1) steps; at 10 restores of a character transformer 2 levels did as well as 16 at 30%
         fewer bytes of the whole checkpoint (benchmarks/results/fidelity_charlm_moments.md).
@@ -211,7 +229,7 @@ class CompressionConfig:
             _real(name, getattr(self, name), lo, hi, closed)
         for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),
                              ("keyframe_every", 1, None), ("search_batch", 1, None), ("moment_bins", 2, 127),
-                             ("first_moment_bins", 2, 127),
+                             ("first_moment_bins", 1, 127),
                              ("seed", None, None)):
             _integer(name, getattr(self, name), lo, hi)
         for name in ("search", "higher_is_better", "closed_loop"):

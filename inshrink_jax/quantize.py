@@ -153,8 +153,8 @@ def plus_offset(r: jax.Array, offset: jax.Array, dtype) -> jax.Array:
 @functools.partial(
     jax.jit, static_argnames=("prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity", "out_dtypes")
 )
-def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, key, *, prunable, spec,
-                  sigma, iters, tol, restarts, capacity, out_dtypes):
+def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, key, *, prunable,
+                  spec, sigma, iters, tol, restarts, capacity, out_dtypes):
     """Codes, centres (`capacity` slots, the first `bins` used) and in-place protected values of the tensors of
     one layer type (they share the prune threshold). The configuration is traced, not static, so one compiled
     kernel serves every candidate of the configuration search. A tensor with an offset is encoded as its
@@ -182,18 +182,49 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     quantized = [~p & ~q for p, q in zip(protected, pruned)]
     counts = jnp.stack([sketch.histogram(x32, spec, m) for (x32, _, _, _), m in zip(scored, quantized)])
     keys = jax.random.split(key, len(xs))
-    # One batched k-means for all tensors of the group: the iteration overhead is paid once.
-    centres = jax.vmap(
-        lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol, restarts=restarts,
-                                              capacity=capacity)
-    )(counts, keys)
+    # One batched k-means for all tensors of the group (the iteration overhead is paid once), or the uniform
+    # quantizer's levels (QuantConfig.step > 0).
+    centres, widths = jax.lax.cond(
+        step > 0,
+        lambda: jax.vmap(lambda h: _uniform_levels(h, spec, bins, step, capacity))(counts),
+        lambda: (jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol,
+                                                                restarts=restarts, capacity=capacity))(counts, keys),
+                 jnp.zeros(len(xs), jnp.float32)))
     codes, in_place = [], []
-    for x, (x32, _, _, _), p, q, c, od in zip(xs, scored, protected, pruned, centres, out_dtypes):
-        level = 1 + kmeans.assign(x32, c)
+    for x, (x32, _, _, _), p, q, c, width, od in zip(xs, scored, protected, pruned, centres, widths, out_dtypes):
+        # A uniform quantizer's value takes its cell (the level is the cell's mean, not necessarily the nearest
+        # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
+        level = 1 + jax.lax.cond(step > 0, lambda: _uniform_cell(x32, width, bins), lambda: kmeans.assign(x32, c))
         codes.append(jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8))
         in_place.append(jnp.where(p, _storage_values(x, od), jnp.zeros((), od)))
     used = jnp.arange(capacity) < bins
     return codes, [jnp.where(used, c, 0.0) for c in centres], in_place
+
+
+def _uniform_levels(counts, spec, bins, step, capacity):
+    """Levels of the uniform quantizer (QuantConfig.step) for the values behind a histogram: `bins` cells of width
+    step * RMS, -M..bins-1-M with M = (bins - 1) // 2 (centred on 0 for odd `bins`), each level the mean of its
+    cell's values (an empty cell keeps its centre); `capacity` slots ascending, the unused ones at +inf; and the
+    cells' width."""
+    values = jnp.asarray(spec.representatives())
+    h = counts.astype(jnp.float32)
+    n = jnp.sum(h)
+    rms = jnp.sqrt(jnp.sum(jnp.where(h > 0, h * values * values, 0.0)) / jnp.maximum(n, 1.0))  # empty buckets' values overflow
+    width = jnp.where(rms > 0, step * rms, 1.0)
+    cell = _uniform_cell(values, width, bins)
+    total = jax.ops.segment_sum(jnp.where(h > 0, h * values, 0.0), cell, num_segments=capacity)
+    count = jax.ops.segment_sum(h, cell, num_segments=capacity)
+    slots = jnp.arange(capacity)
+    grid = (slots - (bins - 1) // 2).astype(jnp.float32) * width
+    levels = jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), grid)
+    return jnp.where(slots < bins, levels, jnp.inf), width
+
+
+def _uniform_cell(x, width, bins):
+    """0-based cell of each value of `x` for the uniform quantizer of `bins` cells of width `width` (values
+    beyond the outer cells go to them)."""
+    m = (bins - 1) // 2
+    return (jnp.clip(jnp.round(x / width), -m, bins - 1 - m) + m).astype(jnp.int32)
 
 
 def _dequantize_one(codes, centres, protected_in_place, bins, offset, dtype):
@@ -290,7 +321,7 @@ def encode_on_device(
         codes, centres, in_place = _encode_group(
             [xs[i] for i in idx], [gs[i] for i in idx], [offsets[i] for i in idx], np.int32(bins),
             np.bool_(quant.prune_metric == "sensitivity"),
-            np.float32(quant.protect_fraction), np.float32(quant.prune_fraction),
+            np.float32(quant.protect_fraction), np.float32(quant.prune_fraction), np.float32(quant.step),
             seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
             prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters,
             tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity,

@@ -33,6 +33,10 @@ from inshrink_jax.config import CompressionConfig, QuantConfig
 
 _QUANTIZABLE = {"float32", "bfloat16", "float16"}
 RESIDUAL, KEYFRAME = "residual", "keyframe"  # what a closed-loop save's search record says it searched
+# A moment is quantized from this many elements, 1-D ones included (norm scales' and biases' moments): its error is
+# relative per element in the log domain, whatever the tensor's size, and below this the value table would cost
+# about what it saves. (Weights: `CompressionConfig.min_compress_size` and >= 2 dimensions.)
+MIN_MOMENT_SIZE = 64
 # Positions of protected values are int32 (jax without x64): a quantized shard must index within it.
 MAX_SHARD_ELEMENTS = 2**31 - 1
 
@@ -178,8 +182,9 @@ def leaf_record(path, x, pol: policy.LeafPolicy, cfg: CompressionConfig) -> reco
     part = pol.part if jnp.issubdtype(dtype, jnp.floating) and x.ndim >= 1 else "other"
     if pol.policy == "drop":
         return records.Leaf(entries, keystr, "dropped", dtype=dtype.name, part=part, **common)
-    if not (pol.policy == "quantize" and isinstance(x, jax.Array) and dtype.name in _QUANTIZABLE
-            and x.ndim >= 2 and x.size >= cfg.min_compress_size):
+    small = x.size < MIN_MOMENT_SIZE if pol.moment is not None else x.ndim < 2 or x.size < cfg.min_compress_size
+    if not (pol.policy == "quantize" and isinstance(x, jax.Array) and dtype.name in _QUANTIZABLE and x.ndim >= 1
+            and not small):
         return records.Leaf(entries, keystr, "array", dtype=dtype.name, part=part, **common)
     shard = int(np.prod(x.sharding.shard_shape(x.shape)))
     if shard > MAX_SHARD_ELEMENTS:

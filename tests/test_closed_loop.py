@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import cli, records, store
+from inshrink_jax import cli, codec, config, records, store
 
 
 def manager(root, max_to_keep=None, **cfg):
@@ -240,3 +240,63 @@ def test_residual_levels_fit_a_peaked_residual():
         err = float(ij.search.proxy_degradation([w], [dev.dequantize(w.dtype)], [None], [base]))
         assert err < 1.0, (bins, err)
     assert err < 0.2  # 8 levels
+
+
+@pytest.mark.parametrize("step", [1.0, 2.0, 4.0])
+def test_uniform_residual_levels_are_cell_means_within_one_step(step):
+    """QuantConfig.step: five cells of width step * RMS centred on 0, a value takes its cell and decodes to the mean
+    of the cell's values (inside it for the inner cells)."""
+    rng = np.random.default_rng(3)
+    base = jnp.asarray(rng.normal(size=(256, 96)).astype(np.float32) * 0.05)
+    r = rng.standard_t(3, size=base.shape).astype(np.float32) * 1e-3
+    w = base + jnp.asarray(r)
+    q = ij.QuantConfig(bins=5, protect_fraction=0.0, step=step)
+    (dev,) = ij.quantize.encode_on_device([w], [None], ["dense"], q, ij.CompressionConfig(), offsets=[base],
+                                          sigma=ij.quantize.RESIDUAL_SIGMA)
+    got = np.asarray(dev.dequantize(w.dtype), np.float64) - np.asarray(base, np.float64)
+    resid = np.asarray(w, np.float64) - np.asarray(base, np.float64)  # the residual as float32 arithmetic makes it
+    width = step * np.sqrt(np.mean(resid ** 2))
+    levels = np.asarray(dev.centres, np.float64)[:5]
+    cells = np.arange(-2, 3) * width
+    # each inner level inside its cell, the outer ones beyond their inner edge (they hold the tails; the sketch's
+    # log buckets place values within 1%)
+    assert np.all(np.abs(levels - cells)[1:4] <= width / 2 * 1.01)
+    assert levels[0] <= -1.5 * width * 0.99 and levels[4] >= 1.5 * width * 0.99
+    inside = np.abs(resid) <= 1.5 * width  # the inner cells: value and level in the same cell (buckets: 1%)
+    assert np.all(np.abs(got - resid)[inside] <= width * 1.02)
+    # the zero cell: |r| <= width / 2 (the encoder's RMS comes from the sketch's buckets, within 1%)
+    assert abs(np.mean(np.abs(resid) <= width / 2) - np.mean(np.asarray(dev.codes) == 3)) < 0.005
+    codes = np.asarray(dev.codes)
+    assert codes.min() >= 1 and codes.max() <= 5
+
+
+def test_uniform_residual_error_and_bits_fall_monotonically_with_the_step():
+    rng = np.random.default_rng(4)
+    base = jnp.asarray(rng.normal(size=(256, 96)).astype(np.float32) * 0.05)
+    w = base + jnp.asarray(rng.normal(size=base.shape).astype(np.float32) * 1e-3)
+    errs, sizes = [], []
+    for step in (1.0, 1.5, 2.0, 3.0, 4.0):
+        (dev,) = ij.quantize.encode_on_device([w], [None], ["dense"], ij.QuantConfig(bins=5, protect_fraction=0.0,
+                                                                                   step=step),
+                                              ij.CompressionConfig(), offsets=[base], sigma=ij.quantize.RESIDUAL_SIGMA)
+        errs.append(float(ij.search.proxy_degradation([w], [dev.dequantize(w.dtype)], [None], [base])))
+        sizes.append(len(codec.compress_best(np.asarray(dev.codes), codec.CODE_CODECS, codec.CODE_LEVEL)[0]))
+    assert errs == sorted(errs) and sizes == sorted(sizes, reverse=True), (errs, sizes)
+    assert errs[0] < 0.1 and sizes[0] > 2.5 * sizes[-1]
+
+
+def test_a_residual_save_that_meets_no_budget_takes_the_smallest_step_not_lossless(tmp_path):
+    """residual_budget=0 (only an exact residual would meet it): every residual save takes the least aggressive
+    configuration (mode "least aggressive"), stays a compressed link of the chain, and restores within half of
+    one interval's change."""
+    states = list(walk(11, 3))
+    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), residual_budget=0.0)
+    for i, s in enumerate(states):
+        mngr.save(i, args=ij.InshrinkSave(s))
+    mngr.wait_until_finished()
+    for i in (1, 2):
+        fig = mngr.item_metadata(i)
+        assert fig["search"]["coding"] == "residual" and fig["search"]["mode"] == "least aggressive"
+        assert fig["quant"]["step"] == min(config.RESIDUAL_SPACE.steps) and fig["kind"] == "delta"
+    restored = mngr.restore(2, args=ij.InshrinkRestore(states[2]))
+    assert rms(restored["w"], states[2]["w"]) < 0.5 * rms(states[2]["w"], states[1]["w"])

@@ -14,6 +14,7 @@ import pytest
 
 import inshrink_jax as ij
 from inshrink_jax import moments, quantize, save
+from inshrink_jax.save import MIN_MOMENT_SIZE
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import digits  # noqa: E402
@@ -117,6 +118,9 @@ def test_quantize_policy_keeps_zeros_signs_and_prunes_first_moments(tmp_path, tr
             n_quantized += 1
             np.testing.assert_array_equal(mu_r == 0, (mu_s == 0) | (w == 0))
             assert np.all(nu_r[(w == 0) & (nu_s != 0)] > 0)
+        elif mu_s.size >= MIN_MOMENT_SIZE:  # the moments of a weight stored exactly are quantized all the same
+            np.testing.assert_array_equal(mu_r == 0, mu_s == 0)
+            assert np.all(nu_r[nu_s != 0] > 0)
         else:
             np.testing.assert_array_equal(mu_r, mu_s)
     assert n_quantized == 3
@@ -235,7 +239,7 @@ def test_moment_deltas_and_nnx_paths(tmp_path):
     leaves = ij.store.Reader(tmp_path / "1" / "default").leaves
     assert leaves["['opt']['opt_state'][0]['nu']['a']['kernel'].value"].method == "moments"
     assert leaves["['model']['a']['kernel'].value"].method == "weights"
-    assert fig["kind"] == "delta" and fig["ratio"]["optimizer"] > 4
+    assert fig["kind"] in ("delta", "mixed") and fig["ratio"]["optimizer"] > 4  # mixed: a 1-D mu takes its own codes
     restored = mngr.restore(1)
     nu = restored["opt"]["opt_state"][0]["nu"]["a"]["kernel"]["value"]
     assert np.all(np.asarray(nu) > 0)
