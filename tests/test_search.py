@@ -354,3 +354,19 @@ def test_embedding_bins_are_their_own_axis_only_when_there_are_embeddings():
     points = itertools.product(*[range(len(v)) for v in with_emb.values])
     best = max(est(p) for p in points if with_emb.config(p, "magnitude").embedding_bins == 32)
     assert out.quant.embedding_bins == 32 and est(with_emb.point(out.quant)) == pytest.approx(best)
+
+
+def test_a_negative_eval_fn_is_measured_relative_to_its_magnitude(tmp_path, run):
+    """A loss below 0 (e.g. a shifted log-likelihood): degradation is (q - q0) / |q0|, so a worse (higher) value
+    is a positive degradation and the budget holds; the recorded figure is what the restored state gives."""
+    state, _, val = run
+    base = eval_loss(val)
+    eval_fn = jax.jit(lambda s: base(s) - 5.0)
+    mngr = manager(tmp_path)
+    mngr.save(0, args=ij.InshrinkSave(state, eval_fn=eval_fn))
+    mngr.wait_until_finished()
+    rec = mngr.item_metadata(0)["search"]
+    assert rec["baseline"] < 0 and 0 <= rec["degradation"] <= ij.CompressionConfig().epsilon
+    restored = mngr.restore(0, args=ij.InshrinkRestore(state))
+    q0, q = float(eval_fn(state)), float(eval_fn(restored))
+    assert (q - q0) / abs(q0) == pytest.approx(rec["degradation"], abs=1e-6)

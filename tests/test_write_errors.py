@@ -68,7 +68,6 @@ def test_a_failed_orbax_metadata_write_never_lists_a_broken_step(tmp_path, monke
     import jax.numpy as jnp
     import numpy as np
     import orbax.checkpoint as ocp
-    import pytest
     from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
 
     import inshrink_jax as ij
@@ -92,16 +91,25 @@ def test_a_failed_orbax_metadata_write_never_lists_a_broken_step(tmp_path, monke
     mngr.save(0, args=ij.InshrinkSave(trees[0]))
     mngr.wait_until_finished()
     failing["on"] = True
-    with pytest.raises(Exception) as raised:
+    raised = []
+    try:
         mngr.save(1, args=ij.InshrinkSave(trees[1]))
         mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 (Orbax wraps it)
+        raised.append(e)
     failing["on"] = False
-    cause = raised.value
+    for _ in range(2):  # on a loaded machine Orbax may report the failed write at the next save instead
+        try:
+            mngr.save(2, args=ij.InshrinkSave(trees[2]))
+            mngr.wait_until_finished()
+            break
+        except Exception as e:  # noqa: BLE001
+            raised.append(e)
+    assert raised, "the failed metadata write was never reported"
+    cause = raised[0]
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
-    assert cause is not None and cause.errno == errno.ENOSPC, repr(raised.value)
-    mngr.save(2, args=ij.InshrinkSave(trees[2]))
-    mngr.wait_until_finished()
+    assert cause is not None and cause.errno == errno.ENOSPC, repr(raised[0])
     time.sleep(0.5)  # let Orbax's background commit of step 1, if it goes on, finish
     mngr.close()
     mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(
