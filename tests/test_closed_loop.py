@@ -285,18 +285,24 @@ def test_uniform_residual_error_and_bits_fall_monotonically_with_the_step():
     assert errs[0] < 0.1 and sizes[0] > 2.5 * sizes[-1]
 
 
-def test_a_residual_save_that_meets_no_budget_takes_the_smallest_step_not_lossless(tmp_path):
+@pytest.mark.parametrize("space", ["RESIDUAL_SPACE", "UNIFORM_RESIDUAL_SPACE"])
+def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configuration(tmp_path, space):
     """residual_budget=0 (only an exact residual would meet it): every residual save takes the least aggressive
-    configuration (mode "least aggressive"), stays a compressed link of the chain, and restores within half of
-    one interval's change."""
+    configuration of its space (mode "least aggressive"), stays a compressed link of the chain, and restores
+    within half of one interval's change; with the uniform quantizer's space too."""
+    space = getattr(config, space)
     states = list(walk(11, 3))
-    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), residual_budget=0.0)
+    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), residual_budget=0.0, residual_space=space)
     for i, s in enumerate(states):
         mngr.save(i, args=ij.InshrinkSave(s))
     mngr.wait_until_finished()
+    cube = ij.search.Cube.build(space, False, ij.QuantConfig())
+    top = cube.config(cube.top, "magnitude")
     for i in (1, 2):
         fig = mngr.item_metadata(i)
         assert fig["search"]["coding"] == "residual" and fig["search"]["mode"] == "least aggressive"
-        assert fig["quant"]["step"] == min(config.RESIDUAL_SPACE.steps) and fig["kind"] == "delta"
+        q = fig["quant"]
+        assert (q["bins"], q["prune_fraction"], q["step"]) == (top.bins, top.prune_fraction, top.step)
+        assert fig["kind"] == "delta"
     restored = mngr.restore(2, args=ij.InshrinkRestore(states[2]))
     assert rms(restored["w"], states[2]["w"]) < 0.5 * rms(states[2]["w"], states[1]["w"])
