@@ -19,8 +19,9 @@ no checkpoints); a method is "within noise" when its degradation is at most that
 
 Methods: inshrink (the default configuration: CompressionConfig() with a GradientEMA and the eval_fn),
 inshrink-rb<B> (residual_budget=B, the closed-loop size knob), inshrink-open (the paper's open-loop saves,
-closed_loop=False), inshrink[key=value;...] (any CompressionConfig
-fields, e.g. 'inshrink[moment_bins=4]'), and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
+closed_loop=False), inshrink[key=value;...] (any CompressionConfig fields, e.g. 'inshrink[moment_bins=4]'),
+each also as inshrink-uniform... (residual_space=config.UNIFORM_RESIDUAL_SPACE, e.g. inshrink-uniform-rb0.4),
+and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
 """
 
 from __future__ import annotations
@@ -80,16 +81,23 @@ WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM}
 
 
 def method(name: str):
-    """A method of the table: inshrink_jax at a setting, or a baseline."""
-    if name == "inshrink":
-        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon)
-    if name == "inshrink-open":
-        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, closed_loop=False)
-    if name.startswith("inshrink-rb"):
-        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, residual_budget=float(name[len("inshrink-rb"):]))
-    if name.startswith("inshrink[") and name.endswith("]"):
-        return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, **overrides(name[len("inshrink["):-1]))
-    return ft.Baseline(name)
+    """A method of the table: inshrink_jax at a setting (`inshrink`, then optionally `-uniform`, then one of
+    `-open`, `-rb<B>` or `[key=value;...]`), or a baseline."""
+    if not name.startswith("inshrink"):
+        return ft.Baseline(name)
+    rest, kw = name[len("inshrink"):], {}
+    if rest.startswith("-uniform"):
+        kw["residual_space"], rest = ft.ij.config.UNIFORM_RESIDUAL_SPACE, rest[len("-uniform"):]
+    if rest == "-open":
+        kw["closed_loop"] = False
+    elif rest.startswith("-rb"):
+        kw["residual_budget"] = float(rest[len("-rb"):])
+    elif rest.startswith("[") and rest.endswith("]"):
+        kw.update(overrides(rest[1:-1]))
+    elif rest:
+        raise ValueError(f"unknown method {name!r}")
+    ft.ij.CompressionConfig(**kw)  # a bad field fails here, not mid-run
+    return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, **kw)
 
 
 def overrides(spec: str) -> dict:
@@ -106,14 +114,17 @@ def overrides(spec: str) -> dict:
 
 
 def method_name(name: str) -> str:
-    """argparse type of --methods: a listed method or `inshrink[key=value;...]` (any CompressionConfig fields)."""
+    """argparse type of --methods: a listed method or an inshrink_jax setting (see `method`)."""
     if name in METHODS:
         return name
-    if name.startswith("inshrink[") and name.endswith("]"):
-        ft.ij.CompressionConfig(**overrides(name[len("inshrink["):-1]))  # a bad field fails here, not mid-run
-        return name
+    if name.startswith("inshrink"):
+        try:
+            method(name)
+            return name
+        except (ValueError, TypeError, SyntaxError) as e:
+            raise argparse.ArgumentTypeError(f"{name!r}: {e}") from None
     raise argparse.ArgumentTypeError(f"unknown method {name!r}: one of {', '.join(METHODS)} or "
-                                     "inshrink[key=value;...] with CompressionConfig fields")
+                                     "inshrink[-uniform][-open|-rb<B>|[key=value;...]]")
 
 
 def spike(r: dict) -> str:
