@@ -33,8 +33,9 @@ class QuantConfig:
         quantizer: cells of width `step` times the RMS of the tensor's quantized values, centred on 0, cells
         -M..M with M = (K - 1) // 2 (values beyond go to the outer cells), each cell's level the mean of its
         values. K then only bounds the range; the step sets the error and the bits: at the same squared error,
-        its codes take 15-20% fewer bits than k-means levels, whose K near-equally used levels cost about
-        log2 K bits (`UNIFORM_RESIDUAL_SPACE`, an alternative space for closed-loop residuals).
+        its codes take about 10% fewer bits than k-means levels, whose K near-equally used levels cost about
+        log2 K bits (benchmarks/results/residual_coding.md; `UNIFORM_RESIDUAL_SPACE`, an alternative space for
+        closed-loop residuals).
     """
 
     bins: int = 16
@@ -109,9 +110,9 @@ RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 8), embedding_bins=(3,), prune_fract
                              protect_fractions=(0.0,), prune_metrics=("magnitude",))
 # The same saves coded by an entropy-coded uniform quantizer (QuantConfig.step) instead of k-means levels and
 # pruning: five cells (the codes pack two to a byte before zstd), steps of 1 to 4 times the residual's RMS. Not the
-# default: on the character transformer it wrote 10% fewer parameter bytes at the same final loss, but on the MNIST
-# CNN, whose residuals are mostly near 0 with a few large changes, the RMS-wide zero cell swallowed the many small
-# changes and the run ended outside the noise (docs/limitations.md). Pass
+# default: on the character transformer it wrote 10% fewer parameter bytes at about the same final loss, but on
+# the MNIST CNN, whose residuals are mostly near 0 with a few large changes, the RMS-wide zero cell swallowed the
+# many small changes and the run ended outside the noise (docs/limitations.md). Pass
 # CompressionConfig(residual_space=UNIFORM_RESIDUAL_SPACE) to use it.
 UNIFORM_RESIDUAL_SPACE = SearchSpace(bins=(5,), embedding_bins=(5,), prune_fractions=(0.0,), protect_fractions=(0.0,),
                                      prune_metrics=("magnitude",), steps=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0))
