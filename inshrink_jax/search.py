@@ -148,7 +148,9 @@ class Outcome:
         (neighbourhood found nothing, exhaustive over the not-more-aggressive part), "lossless" (the previous
         save was lossless and the least aggressive configuration still does not meet the budget), "recovered"
         (it does again: exhaustive search), UNMEASURED (eval_fn gave no finite value for the uncompressed
-        state: this save is lossless, the next one searches from the previous choice).
+        state: this save is lossless, the next one searches from the previous choice); for a closed-loop
+        residual save (`choose`) also "guarded" (eval_fn over epsilon: the least aggressive configuration) and
+        "least aggressive" (nothing met residual_budget).
       evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
       rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
       payload: the evaluator's payload for the chosen candidate (the handler's encoded device arrays).
