@@ -209,7 +209,8 @@ def _uniform_levels(counts, spec, bins, step, capacity):
     values = jnp.asarray(spec.representatives())
     h = counts.astype(jnp.float32)
     n = jnp.sum(h)
-    rms = jnp.sqrt(jnp.sum(jnp.where(h > 0, h * values * values, 0.0)) / jnp.maximum(n, 1.0))  # empty buckets' values overflow
+    # (masked: the values of empty buckets reach float32's max, whose square overflows)
+    rms = jnp.sqrt(jnp.sum(jnp.where(h > 0, h * values * values, 0.0)) / jnp.maximum(n, 1.0))
     width = jnp.where(rms > 0, step * rms, 1.0)
     cell = _uniform_cell(values, width, bins)
     total = jax.ops.segment_sum(jnp.where(h > 0, h * values, 0.0), cell, num_segments=capacity)

@@ -464,7 +464,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         if residual and outcome.quant is None:
             # Nothing met residual_budget: the least aggressive residual configuration, never lossless (its
             # error is a fraction of one interval's change and the next save carries it; a lossless save costs
-            # the whole tensor, and one of 20 saves lossless was most of a run's bytes).
+            # the whole tensor, 16 times an average save of the character transformer's fidelity run).
             top = cube.config(cube.top, metrics[0])
             [(d, payload)] = evaluator([top])
             outcome = Outcome(top, d, "least aggressive", outcome.evaluations + 1, outcome.rounds + 1, payload)
