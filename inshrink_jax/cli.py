@@ -174,11 +174,14 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
         return 0
     item = _item(root, steps, item)
     out = {}
-    for s, name in _select(steps, step, root).items():
+    chosen = _select(steps, step, root)
+    progress = _Progress("inspect", len(chosen))
+    for s, name in chosen.items():
         try:
             out[s] = _summary(os.path.join(root, name, item))
         except store.CheckpointCorruptError as e:
             out[s] = {"error": str(e)}
+        progress.step(f"step {s}")
     failed = int(any("error" in f for f in out.values()))  # exit 1 when a step cannot be read, as verify does
     needs, kinds = _disk_usage(root, item, out, steps)
     for s, n in needs.items():
@@ -195,8 +198,11 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
             print(f"{s:>7} ERROR {f['error']}")
             continue
         q = f["quant"]
-        conf = "lossless" if q is None else (f"{q['bins']} bins, prune {q['prune_fraction']:.0%} "
-                                             f"({q['prune_metric']}), protect {q['protect_fraction']:.2%}")
+        conf = "lossless"
+        if q is not None:
+            levels = f"{q['bins']} cells of {q['step']} RMS" if q.get("step") else f"{q['bins']} bins"
+            conf = (f"{levels}, prune {q['prune_fraction']:.0%} ({q['prune_metric']}), "
+                    f"protect {q['protect_fraction']:.2%}")
         degradation = f["search"].get("degradation") if isinstance(f["search"], dict) else None
         degr = f"{degradation:+.2%}" if isinstance(degradation, (int, float)) and degradation == degradation \
             and abs(degradation) != float("inf") else "-"
@@ -299,11 +305,14 @@ def export(root: str, step: int, item: str | None, out: str) -> int:
     directory = os.path.join(root, _select(steps, step, root)[step], item)
     if os.path.exists(out):
         raise SystemExit(f"inshrink-jax: {out} exists; export writes a new directory")
+    progress = _Progress("export", 2)
     state = InshrinkCheckpointHandler().restore(directory, InshrinkRestore())
+    progress.step(f"step {step} decoded")
     reader = store.Reader(directory)
     dropped = [m.keystr for m in reader.manifest.leaves if m.kind == "dropped"]
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.abspath(out), state)
+    progress.step("written")
     print(f"step {step} of {root} (item {item!r}) written to {out} as a plain Orbax StandardCheckpointer "
           "checkpoint (restore it with ocp.StandardCheckpointer().restore(path)); quantized leaves hold their "
           "decoded values")

@@ -46,8 +46,9 @@ def copy(root, tmp_path):
 
 def test_inspect_lists_steps_chains_and_ratios(root, capsys):
     assert cli.main(["inspect", str(root)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "item 'default', 3 step(s)" in out
+    assert "inspect: 3/3 step 2" in err  # progress on stderr (not a terminal: a line per 10%), the table on stdout
     lines = [l.split() for l in out.splitlines() if l.strip()[:1].isdigit()]
     assert [(l[0], l[1], l[2]) for l in lines] == [("0", "keyframe", "0"), ("1", "delta", "1"), ("2", "delta", "2")]
     files = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
@@ -109,6 +110,7 @@ def test_verify_finds_a_missing_base_object(root, tmp_path, capsys):
 def test_export_writes_a_plain_orbax_checkpoint_of_the_restored_state(root, tmp_path, capsys):
     out = tmp_path / "plain"
     assert cli.main(["export", str(root), "--step", "2", str(out)]) == 0
+    assert capsys.readouterr().err.splitlines()[-2:] == ["export: 1/2 step 2 decoded", "export: 2/2 written"]
     plain = ocp.StandardCheckpointer().restore(out.resolve())
     ours = ij.InshrinkCheckpointHandler().restore(root / "2" / "default", ij.InshrinkRestore())
     flat_a, flat_b = jax.tree_util.tree_flatten_with_path(plain)[0], jax.tree_util.tree_flatten_with_path(ours)[0]
