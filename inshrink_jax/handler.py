@@ -8,6 +8,7 @@ See DESIGN.md sections 1-5, docs/how-it-works.md and docs/format.md.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import os
@@ -27,17 +28,35 @@ from inshrink_jax.base import BaseCheckpoint
 from inshrink_jax.config import CompressionConfig
 
 
+_DISCARD_ATTEMPTS = 5
+
+
 def _discard_temporary(directory) -> None:
     """Remove the temporary directories Orbax made for a save this handler refused (bad input, a changed base):
     a refused save leaves nothing behind. Orbax may still be creating them in the background, so this waits for
-    its directory-creation signal; only directories named as Orbax's temporary ones are touched."""
+    its directory-creation signal, and tries again while its threads still add to them; only directories named
+    as Orbax's temporary ones are touched. Best effort: a failure to remove is a warning, never an error that
+    would hide the one that refused the save."""
     async def remove():
         d = epath.Path(directory)
         outer = d.parent if store.TMP_SUFFIX in d.parent.name else d if store.TMP_SUFFIX in d.name else None
-        if outer is not None:
-            outer.rmtree(missing_ok=True)
+        if outer is None:
+            return
+        for attempt in range(_DISCARD_ATTEMPTS):
+            try:
+                outer.rmtree(missing_ok=True)
+                return
+            except OSError:  # Orbax's own threads may still add to it ("directory not empty"): try again
+                if attempt == _DISCARD_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.05 * (attempt + 1))
 
-    ocp.future.CommitFutureAwaitingContractedSignals(remove(), name="inshrink_discard", timeout_secs=60).result()
+    try:
+        ocp.future.CommitFutureAwaitingContractedSignals(remove(), name="inshrink_discard",
+                                                         timeout_secs=60).result()
+    except Exception as e:  # noqa: BLE001 (best effort: never hide the error that refused the save)
+        warnings.warn(f"could not remove the temporary directory of a refused save under {directory}: {e}; "
+                      "it holds no checkpoint and can be deleted", stacklevel=3)
 
 
 class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
