@@ -30,9 +30,9 @@ class QuantConfig:
       protect_fraction: weights whose magnitude OR sensitivity is in the top `protect_fraction` of their
         tensor are kept near-exact.
       step: 0 (the paper's levels: weighted k-means with K levels), or the levels of an entropy-coded uniform
-        quantizer: cells of width `step` times the RMS of the tensor's quantized values, centred on 0, cells
-        -M..M with M = (K - 1) // 2 (values beyond go to the outer cells), each cell's level the mean of its
-        values. K then only bounds the range; the step sets the error and the bits: at the same squared error,
+        quantizer: K cells of width `step` times the RMS of the tensor's quantized values, -M..K-1-M with
+        M = (K - 1) // 2 (centred on 0 for odd K; values beyond go to the outer cells), each cell's level the mean
+        of its values. K then only bounds the range; the step sets the error and the bits: at the same squared error,
         its codes take about 10% fewer bits than k-means levels, whose K near-equally used levels cost about
         log2 K bits (benchmarks/results/residual_coding.md; `UNIFORM_RESIDUAL_SPACE`, an alternative space for
         closed-loop residuals).
@@ -157,8 +157,8 @@ class CompressionConfig:
         (`search.proxy_degradation` against the previous reconstruction, every element weighted alike: a
         gradient EMA is small where gradients are noisy, which Adam moves as much as any other weight). The error a save leaves is carried
         into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
-        interval's change of the weights: the knob of the residual saves' size (smaller: a finer step, more
-        bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
+        interval's change of the weights: the knob of the residual saves' size (smaller: more levels or less
+        pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
         the least aggressive one is taken: a residual save is never lossless.
       search: pick the configuration at every save under the quality budget `epsilon` (ALGORITHM.md step 5,
         docs/how-it-works.md); False saves every checkpoint with `quant`.
