@@ -6,6 +6,7 @@ Usage:
   python benchmarks/bench_fidelity.py --workload charlm --out benchmarks/results/fidelity_charlm.md
   python benchmarks/bench_fidelity.py --workload mnist  --out benchmarks/results/fidelity_mnist.md
   python benchmarks/bench_fidelity.py --workload longlm --methods inshrink qd8 orbax --out ...
+  python benchmarks/bench_fidelity.py --workload lstm --out benchmarks/results/fidelity_lstm.md
 (needs the `bench` extra: pip install -e '.[bench]')
 
 Workloads (the harness, failures and figures are those of bench_fault_tolerance.py):
@@ -14,6 +15,9 @@ Workloads (the harness, failures and figures are those of bench_fault_tolerance.
           the harsh spacing (a restore every 60 steps, each 15 steps after a save).
   longlm  a 3-layer character transformer (1.39M parameters, context 64, batch 16), 3000 steps with cosine
           decay, a checkpoint every 100: ten restores spread over the whole run.
+  lstm    a fine-tune: textgenrnn's pretrained character LSTM (462k parameters, examples/textgen.py) on Python's
+          reference text, 1000 steps with cosine decay, a checkpoint every 50. Its weights come from the
+          textgenrnn sdist, downloaded by pip on first use (`h5py` from the `bench` extra reads them).
 Noise floor: the largest |relative difference| of the final quality of seeds 1 and 2 from seed 0 (uninterrupted,
 no checkpoints); a method is "within noise" when its degradation is at most that.
 
@@ -77,7 +81,45 @@ class LongLM(ft.CharLM):
         return charlm.windows(self.train, starts, self.CONTEXT)
 
 
-WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM}
+class LSTMFineTune:
+    """Fine-tuning a pretrained character LSTM on text of another domain (module docstring)."""
+
+    name, steps, every, metric, higher = "lstm", 1000, 50, "loss", False
+    BATCH = 128
+
+    def __init__(self, seed: int, steps: int):
+        import textgen  # examples/, on the path through bench_fault_tolerance
+
+        self.textgen, (self.params, vocab) = textgen, textgen.pretrained()
+        self.train, held = textgen.corpus(vocab)
+        self.seed, self.total = seed, steps
+        rng = np.random.default_rng(12345)  # the same held-out windows for every seed
+        half = len(held) // 2
+        self.eval = tuple(map(jnp.asarray, textgen.windows(held[:half], rng.integers(0, half - 41, 512))))
+        self.test = tuple(map(jnp.asarray, textgen.windows(held[half:], rng.integers(0, len(held) - half - 41,
+                                                                                      4096))))
+
+    def describe(self, steps):
+        return (f"textgenrnn's pretrained character LSTM (462k parameters: embedding, 2 LSTM layers of 128, "
+                f"attention; pretrained on web text) fine-tuned on Python's reference text, Adam 2e-3 with cosine "
+                f"decay over {steps} steps, batch {self.BATCH} windows of 40 characters predicting the next; "
+                "quality = loss on 4,096 held-out windows, eval_fn = loss on 512 others; seeds differ in data order "
+                "only (every run starts from the same pretrained weights)")
+
+    def create_state(self):
+        return self.textgen.create_state(self.params, self.total)
+
+    def batch(self, step: int):
+        starts = np.random.default_rng((self.seed, step)).integers(0, len(self.train) - 41, self.BATCH)
+        return self.textgen.windows(self.train, starts)
+
+    def quality(self, state) -> tuple[float, float]:
+        """(loss, loss) on the test windows (the loss is the metric)."""
+        loss = float(ft.digits.loss_fn(state.params, state.apply_fn, *self.test))
+        return loss, loss
+
+
+WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM, "lstm": LSTMFineTune}
 
 
 def method(name: str):

@@ -367,7 +367,7 @@ def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_ev
     protected = (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
                  {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)})
     if rec.coding == records.CLOSED_LOOP:
-        extra = {"prior": prior, "levels": [float(c) for c in enc.centres]}
+        extra = {"prior": prior, "levels": records.float32_list(enc.centres)}
         return {"codes": (*codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
                 "protected": protected}, None
     # The codes on their own (a keyframe shard), or their delta against the previous save's (a delta shard),
@@ -421,7 +421,7 @@ def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manif
     recs = list(d.records)
     for i, dev in zip(d.quantized, d.devs):
         recs[i] = dataclasses.replace(recs[i], bins=dev.bins,
-                                      centres=[float(c) for c in np.asarray(dev.centres)[:dev.bins]])
+                                      centres=records.float32_list(np.asarray(dev.centres)[:dev.bins]))
     raw = {part: 0 for part in records.PARTS}
     for r in recs:
         if r.shape is not None:
