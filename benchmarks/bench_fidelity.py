@@ -101,8 +101,8 @@ class LSTMFineTune:
 
     def describe(self, steps):
         return (f"textgenrnn's pretrained character LSTM (462k parameters: embedding, 2 LSTM layers of 128, "
-                f"attention; pretrained on web text) fine-tuned on Python's reference text, Adam 2e-3 with cosine "
-                f"decay over {steps} steps, batch {self.BATCH} windows of 40 characters predicting the next; "
+                f"attention; pretrained on web text) fine-tuned on Python's reference text, Adam 1e-3 with cosine "
+                f"decay and gradients clipped to norm 1 over {steps} steps, batch {self.BATCH} windows of 40 characters predicting the next; "
                 "quality = loss on 4,096 held-out windows, eval_fn = loss on 512 others; seeds differ in data order "
                 "only (every run starts from the same pretrained weights)")
 

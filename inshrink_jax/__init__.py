@@ -8,7 +8,8 @@
 
 from inshrink_jax.cache import enable_compilation_cache
 from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
-from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave, restore_latest
+from inshrink_jax.handler import (InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave, handler_registry,
+                                  restore_latest)
 from inshrink_jax.sensitivity import GradientEMA
 from inshrink_jax.store import CheckpointCorruptError
 from inshrink_jax.v1 import Compressed
@@ -24,6 +25,7 @@ __all__ = [
     "QuantConfig",
     "SearchSpace",
     "enable_compilation_cache",
+    "handler_registry",
     "restore_latest",
 ]
 __version__ = "0.1.0"

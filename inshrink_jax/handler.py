@@ -109,8 +109,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         return state
 
     async def async_save(self, directory, args: "InshrinkSave" = None, **kwargs):
-        if args is None or not isinstance(args, InshrinkSave):
-            raise ValueError("InshrinkCheckpointHandler.save needs `args=inshrink_jax.InshrinkSave(state, ...)`")
+        args = _save_args(args)
         started = time.perf_counter()
         cfg = self.config
         root, item, step = store.locate(directory)
@@ -154,6 +153,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         store.finalize(directory)
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
+        args = _restore_args(args)
         reader = store.Reader(directory)
         chained: dict = {}
         out = restore.restore(reader, None if args is None else args.item, self._threads, chained,
@@ -218,6 +218,66 @@ class InshrinkRestore(ocp.args.CheckpointArgs):
 
     item: Any = None
     partial_restore: bool = False
+
+
+def _save_args(args) -> "InshrinkSave":
+    """InshrinkSave, or Orbax's StandardSave / PyTreeSave (the state only: no gradients, no eval_fn) as one."""
+    if isinstance(args, InshrinkSave):
+        return args
+    if isinstance(args, (ocp.args.StandardSave, ocp.args.PyTreeSave)):
+        if args.save_args is not None:
+            raise ValueError(f"{type(args).__name__}(save_args=...) is not supported by InshrinkCheckpointHandler "
+                             "(its per-leaf dtype and aggregation options have no meaning here): pass the state "
+                             "alone, or inshrink_jax.InshrinkSave(state, grads=..., eval_fn=...)")
+        for name in ("custom_metadata", "ocdbt_target_data_file_size"):
+            if getattr(args, name, None) is not None:
+                raise ValueError(f"{type(args).__name__}({name}=...) is not supported by InshrinkCheckpointHandler: "
+                                 "pass the state alone")
+        return InshrinkSave(args.item)
+    raise ValueError("InshrinkCheckpointHandler.save needs `args=inshrink_jax.InshrinkSave(state, ...)` (or Orbax's "
+                     f"StandardSave(state) through inshrink_jax.handler_registry), got {args!r:.200}")
+
+
+def _restore_args(args) -> "InshrinkRestore | None":
+    """InshrinkRestore, or Orbax's StandardRestore / PyTreeRestore (their target; PyTreeRestore's
+    partial_restore) as one. None stays None: the saved tree."""
+    if args is None or isinstance(args, InshrinkRestore):
+        return args
+    if isinstance(args, ocp.args.StandardRestore):
+        if args.fallback_sharding is not None:
+            raise ValueError("StandardRestore(fallback_sharding=...) is not supported by InshrinkCheckpointHandler: "
+                             "give each leaf of the target its sharding (jax.ShapeDtypeStruct(..., sharding=...))")
+        return InshrinkRestore(args.item)
+    if isinstance(args, ocp.args.PyTreeRestore):
+        if args.restore_args is not None or args.legacy_transform_fn is not None or args.transforms is not None:
+            raise ValueError("PyTreeRestore(restore_args=, transforms=, legacy_transform_fn=) is not supported by "
+                             "InshrinkCheckpointHandler: give the target as `item` (leaves as "
+                             "jax.ShapeDtypeStruct(shape, dtype, sharding=...))")
+        return InshrinkRestore(args.item, partial_restore=args.partial_restore)
+    raise ValueError("InshrinkCheckpointHandler.restore needs `args=inshrink_jax.InshrinkRestore(target)` (or "
+                     f"Orbax's StandardRestore(target) through inshrink_jax.handler_registry), got {args!r:.200}")
+
+
+def handler_registry(handler: InshrinkCheckpointHandler | None = None, item: str | None = None):
+    """An Orbax handler registry that sends `item` (None: every item) to `handler` for inshrink_jax's args *and*
+    Orbax's `StandardSave` / `StandardRestore` / `PyTreeSave` / `PyTreeRestore`, so code written for Orbax's
+    standard handler keeps its call sites:
+
+        mngr = ocp.CheckpointManager(root, handler_registry=ij.handler_registry(ij.InshrinkCheckpointHandler()))
+        mngr.save(step, args=ocp.args.StandardSave(state))   # compressed, without gradients or an eval_fn
+        mngr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+    (`item_handlers=` takes one args type per handler, so it cannot do this.) Orbax's args carry no gradients
+    or eval_fn: such saves use magnitude as sensitivity and the data-free proxy of the search;
+    `InshrinkSave(state, grads=, eval_fn=)` through the same manager gives them."""
+    from orbax.checkpoint import handlers
+
+    handler = handler or InshrinkCheckpointHandler()
+    registry = handlers.DefaultCheckpointHandlerRegistry()
+    for args_type in (InshrinkSave, InshrinkRestore, ocp.args.StandardSave, ocp.args.StandardRestore,
+                      ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
+        registry.add(item, args_type, handler)
+    return registry
 
 
 def restore_latest(manager: ocp.CheckpointManager, args: "InshrinkRestore | None" = None) -> tuple[int, Any]:

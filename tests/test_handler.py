@@ -452,3 +452,36 @@ def test_a_plain_checkpointer_keeps_everything_under_its_path(tmp_path, checkpoi
     with pytest.raises(TypeError, match="unsupported type object"):  # a refused save leaves nothing either
         ckptr.save(tmp_path / "runs" / "bad", args=ij.InshrinkSave({"x": object()}))
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ck0"]
+
+
+def test_orbax_standard_args_through_handler_registry(tmp_path, trained):
+    """Code written for Orbax's standard handler keeps its call sites: StandardSave / StandardRestore (and the
+    PyTree ones) through `ij.handler_registry` are compressed saves and restores of the same format, with a delta
+    chain, a restart, and the same restore as InshrinkRestore; what they cannot mean is refused by name."""
+    state, grads, _ = trained
+    like = abstract(state)
+
+    def mngr():
+        return ocp.CheckpointManager(tmp_path, handler_registry=ij.handler_registry(ij.InshrinkCheckpointHandler()))
+
+    with mngr() as m:
+        for step in (1, 2, 3):
+            m.save(step, args=ocp.args.StandardSave(state.replace(step=step)))
+        m.save(4, args=ij.InshrinkSave(state.replace(step=4), grads=grads))  # both kinds of args, one chain
+        m.wait_until_finished()
+        assert [m.item_metadata(s)["kind"] for s in (1, 2, 3, 4)] == ["keyframe", "delta", "delta", "delta"]
+        standard = m.restore(3, args=ocp.args.StandardRestore(like))
+    with mngr() as m:  # a new process
+        ours = m.restore(3, args=ij.InshrinkRestore(like))
+        tree = m.restore(3, args=ocp.args.PyTreeRestore(like.replace(opt_state=None), partial_restore=True))
+        with pytest.raises(ValueError, match="save_args=.*not supported"):
+            m.save(5, args=ocp.args.StandardSave(state, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), state)))
+        with pytest.raises(ValueError, match="restore_args=.*not supported"):
+            m.restore(3, args=ocp.args.PyTreeRestore(like, restore_args=jax.tree.map(
+                lambda _: ocp.RestoreArgs(), like)))
+    for a, b in zip(jax.tree.leaves(standard), jax.tree.leaves(ours)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(standard.step) == 3 and tree.opt_state is None
+    for a, b in zip(jax.tree.leaves(tree.params), jax.tree.leaves(ours.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ij.store.Reader(tmp_path / "1" / "default").figures()["search"]["mode"] != "lossless"
