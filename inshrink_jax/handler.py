@@ -161,7 +161,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
         # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
         # from its configuration.
-        recon = {k: jnp.copy(v) for k, v in chained.items() if isinstance(v, jax.Array)}
+        recon = {k: save.auto_axes(jnp.copy(v)) for k, v in chained.items() if isinstance(v, jax.Array)}
         self._states[(str(reader.root), reader.item)] = (save.state_of_restore(reader, recon), None)
         return out
 

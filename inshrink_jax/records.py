@@ -37,6 +37,39 @@ def _check(cond: bool, what: str) -> None:
         raise RecordError(what)
 
 
+MAX_MESH_DEVICES = 1 << 20
+AXIS_TYPES = ("Auto", "Explicit", "Manual")  # jax.sharding.AxisType names
+
+
+def _is_mesh(m: Any, ndim: int) -> bool:
+    """Whether `m` is a well-formed Leaf.mesh for an array of `ndim` dimensions: named axes of positive sizes whose
+    product is the number of (distinct, non-negative) device ids, and a spec that names each axis at most once."""
+    if not (isinstance(m, dict) and set(m) == {"axes", "devices", "spec"} and isinstance(m["axes"], list) and
+            isinstance(m["devices"], list) and isinstance(m["spec"], list) and len(m["spec"]) <= ndim):
+        return False
+    axes = m["axes"]
+    if not all(isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and isinstance(a[1], int) and
+               not isinstance(a[1], bool) and 0 < a[1] <= MAX_MESH_DEVICES and a[2] in AXIS_TYPES for a in axes):
+        return False
+    names = [a[0] for a in axes]
+    size = 1
+    for _, n, _ in axes:
+        size *= n
+    devices = m["devices"]
+    if len(set(names)) != len(names) or size > MAX_MESH_DEVICES or len(devices) != size or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices) or len(set(devices)) != size:
+        return False
+    used = []
+    for e in m["spec"]:
+        if e is None:
+            continue
+        group = [e] if isinstance(e, str) else e
+        if not isinstance(group, list) or not all(isinstance(n, str) and n in names for n in group):
+            return False
+        used += group
+    return len(set(used)) == len(used)
+
+
 def float32_list(values) -> list[float]:
     """`values` (float32) as JSON numbers of the fewest digits that read back to the same float32: a reader casts
     levels to float32, so "0.012345679" restores what "0.012345678906440735" did, in a third fewer characters
@@ -62,6 +95,9 @@ class Leaf:
       kind: "scalar" (a Python scalar, string or None, stored in `value`), "array" (lossless), "prng_key" (its key
         data, lossless), "dropped" (not stored, restored as zeros) or "quantized".
       shape, dtype, part, sharding: of array-like leaves (`sharding` as saved, for information).
+      mesh: of a leaf saved with a `NamedSharding`: {"axes": [[name, size, axis type], ...], "devices": [device id, ...] in
+        the mesh's order, "spec": the PartitionSpec's entries (null, an axis name, or a list of names)}; a
+        restore without a target places the leaf that way when those devices are present.
       value, type: of scalars (`type` is the Python type's name); `type` is NUMPY_SCALAR for a NumPy scalar
         (restored as one).
       impl, data_shape: of PRNG keys (the key implementation's name, the key data's shape).
@@ -92,6 +128,7 @@ class Leaf:
     centres: list | None = None
     base_leaf: str | None = None
     coding: str | None = None
+    mesh: dict | None = None
 
     def to_json(self) -> dict:
         d = _drop_none(dataclasses.asdict(self))
@@ -114,6 +151,8 @@ class Leaf:
         _check(leaf.coding in (None, CLOSED_LOOP) and (leaf.coding is None or (
             leaf.kind in ("quantized", "array") and leaf.method in (None, "weights") and leaf.base_leaf is None)),
                f"leaf {leaf.keystr}: invalid coding {str(leaf.coding)[:40]!r}")
+        _check(leaf.mesh is None or (leaf.kind != "scalar" and _is_mesh(leaf.mesh, len(leaf.shape))),
+               f"leaf {leaf.keystr}: invalid mesh {str(leaf.mesh)[:80]!r}")
         if leaf.kind == "quantized":
             _check(isinstance(leaf.bins, int) and isinstance(leaf.centres, list) and len(leaf.centres) == leaf.bins,
                    f"leaf {leaf.keystr}: invalid bins / centres")

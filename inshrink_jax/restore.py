@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -27,7 +28,7 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
     `chained`, if given, receives key path -> restored value of every leaf of a closed-loop chain. `partial`:
     the target may hold only some of the saved leaves (a subtree); only those are read."""
     if target is None:
-        flat, treedef, pairs = None, None, [(m, None) for m in reader.manifest.leaves]
+        flat, treedef, pairs = None, None, [(m, saved_target(reader, m)) for m in reader.manifest.leaves]
     else:
         nnx = sys.modules.get("flax.nnx")  # imported by whoever made an NNX object
         live = tuple(getattr(nnx, n) for n in ("Pytree", "Object", "Module") if hasattr(nnx, n))
@@ -47,6 +48,30 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
         return jax.tree_util.tree_unflatten(treedef, values)
     with store.reading(reader.directory, "the tree of key paths"):
         return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
+
+
+def saved_target(reader: store.Reader, meta: records.Leaf):
+    """The target a restore without one uses for a leaf: its saved NamedSharding (`records.Leaf.mesh`) when every
+    device of that mesh is present, as a `jax.ShapeDtypeStruct`; else None (the default device, with a warning
+    for a leaf that was saved sharded)."""
+    layout = meta.mesh
+    if layout is None or meta.kind not in ("array", "quantized", "dropped"):
+        return None
+    by_id = {d.id: d for d in jax.devices()}
+    if not all(i in by_id for i in layout["devices"]):
+        warnings.warn(f"{store.describe(reader.directory)}: leaf {meta.keystr} was saved sharded over devices "
+                      f"{layout['devices'][:8]}{'...' if len(layout['devices']) > 8 else ''}, which this process "
+                      "does not all have: it is restored onto the default device. Pass a target whose leaves carry "
+                      "the shardings to use (jax.ShapeDtypeStruct(shape, dtype, sharding=...)).", stacklevel=4)
+        return None
+    devices = np.empty(len(layout["devices"]), dtype=object)
+    devices[:] = [by_id[i] for i in layout["devices"]]
+    axes = layout["axes"]
+    mesh = jax.sharding.Mesh(devices.reshape([n for _, n, _ in axes]), [a for a, _, _ in axes],
+                             axis_types=tuple(getattr(jax.sharding.AxisType, t) for _, _, t in axes))
+    spec = jax.sharding.PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in layout["spec"]])
+    return jax.ShapeDtypeStruct(tuple(meta.shape), jnp.dtype(meta.dtype), sharding=jax.sharding.NamedSharding(mesh,
+                                                                                                            spec))
 
 
 def match_target(reader: store.Reader, flat: list, partial: bool = False) -> list[tuple[records.Leaf, Any]]:

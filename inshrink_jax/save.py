@@ -120,6 +120,8 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
     flat, treedef = records.flatten(state)
     policies = policy.classify(state, cfg, labels)
     recs = [leaf_record(path, x, pol, cfg) for (path, x), pol in zip(flat, policies)]
+    flat = [(path, auto_axes(x)) for path, x in flat]
+    grads = None if grads is None else jax.tree.map(auto_axes, grads)
     weights = [i for i, r in enumerate(recs) if r.method == "weights"]
     moment_idx = [i for i, r in enumerate(recs) if r.method == "moments"]
     by_path = {} if grads is None else {
@@ -130,6 +132,19 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
                 [_mirrored(flat[i][0], by_path) for i in weights], base_of, records.empty_containers(state),
                 grads is not None)
+
+
+def auto_axes(x):
+    """`x` on the same devices and layout with its mesh's axes made Auto: the kernels index, scatter and reduce
+    whole tensors, which JAX refuses on Explicit axes (`jax.make_mesh`'s default) without per-op shardings. The
+    same buffers, not a copy; the manifest keeps the saved sharding as it was (leaf_record runs first)."""
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding) or not isinstance(s.mesh, jax.sharding.Mesh) or all(
+            t == jax.sharding.AxisType.Auto for t in s.mesh.axis_types):
+        return x
+    mesh = jax.sharding.Mesh(s.mesh.devices, s.mesh.axis_names,
+                             axis_types=(jax.sharding.AxisType.Auto,) * len(s.mesh.axis_names))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, s.spec, memory_kind=s.memory_kind))
 
 
 def _tails(path) -> list[str]:
@@ -159,6 +174,23 @@ def _owners(flat: list, weights: list[int], moment_idx: list[int], policies) -> 
     return out
 
 
+def mesh_of(x) -> dict | None:
+    """records.Leaf.mesh of an array with a NamedSharding over a concrete mesh, else None."""
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding) or not isinstance(s.mesh, jax.sharding.Mesh):
+        return None
+    spec = []
+    for e in s.spec:
+        if e is None or isinstance(e, str):
+            spec.append(e)
+        elif isinstance(e, tuple) and all(isinstance(n, str) for n in e):
+            spec.append(list(e))
+        else:  # PartitionSpec.UNCONSTRAINED and the like: nothing a restore could rebuild
+            return None
+    return {"axes": [[name, int(n), t.name] for (name, n), t in zip(s.mesh.shape.items(), s.mesh.axis_types)],
+            "devices": [int(d.id) for d in s.mesh.devices.flat], "spec": spec}
+
+
 def leaf_record(path, x, pol: policy.LeafPolicy, cfg: CompressionConfig) -> records.Leaf:
     """The manifest entry of one leaf under its policy (quantized entries without bins / centres yet)."""
     keystr = jax.tree_util.keystr(path)
@@ -170,7 +202,7 @@ def leaf_record(path, x, pol: policy.LeafPolicy, cfg: CompressionConfig) -> reco
     if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
         raise TypeError(f"leaf {keystr} has unsupported type {type(x).__name__}; inshrink_jax stores "
                         "jax/NumPy arrays, Python scalars, strings and None")
-    common = dict(shape=list(x.shape), sharding=str(getattr(x, "sharding", "numpy")),
+    common = dict(shape=list(x.shape), sharding=str(getattr(x, "sharding", "numpy")), mesh=mesh_of(x),
                   type=records.NUMPY_SCALAR if isinstance(x, np.generic) else None)
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         if pol.policy == "drop":

@@ -485,3 +485,45 @@ def test_orbax_standard_args_through_handler_registry(tmp_path, trained):
     for a, b in zip(jax.tree.leaves(tree.params), jax.tree.leaves(ours.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert ij.store.Reader(tmp_path / "1" / "default").figures()["search"]["mode"] != "lossless"
+
+
+def test_explicit_mesh_saves_and_restores_without_target_in_the_saved_sharding(tmp_path):
+    """Arrays on a `jax.make_mesh` mesh (Explicit axes) save; a restore without a target puts each leaf back in
+    the sharding it was saved with (mesh, axis types, spec), the values of a restore into that target, and the
+    chain goes on from it in a new handler; a process without those devices gets the default device and a
+    warning naming the leaf."""
+    import subprocess
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    P = jax.sharding.PartitionSpec
+    rng = np.random.default_rng(2)
+
+    def put(x, *spec):
+        return jax.device_put(x, jax.sharding.NamedSharding(mesh, P(*spec)))
+
+    state = {"w": put(rng.normal(size=(256, 128)).astype(np.float32), "data", "model"),
+             "v": put(rng.normal(size=(128, 64)).astype(np.float32), ("data", "model"), None),
+             "b": put(np.zeros(128, np.float32), "model"), "host": np.arange(6), "step": 3}
+    with manager(tmp_path) as m:
+        m.save(0, args=ij.InshrinkSave(state))
+        m.wait_until_finished()
+    with manager(tmp_path) as m:
+        bare = m.restore(0)
+        targeted = m.restore(0, args=ij.InshrinkRestore(abstract(state)))
+        for k in ("w", "v", "b"):
+            assert bare[k].sharding == state[k].sharding, k
+            np.testing.assert_array_equal(np.asarray(bare[k]), np.asarray(targeted[k]))
+        assert isinstance(bare["host"], np.ndarray) and bare["step"] == 3
+        m.save(1, args=ij.InshrinkSave({**state, "w": state["w"] + 0.01}))
+        m.wait_until_finished()
+        assert m.item_metadata(1)["kind"] == "delta"
+    code = (f"import warnings, jax, numpy as np, orbax.checkpoint as ocp, inshrink_jax as ij\n"
+            f"with warnings.catch_warnings(record=True) as w:\n"
+            f"    warnings.simplefilter('always')\n"
+            f"    r = ocp.CheckpointManager({str(tmp_path)!r}, item_handlers=ij.InshrinkCheckpointHandler()).restore(0)\n"
+            f"print(len(jax.devices()), r['w'].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[0]), "
+            f"sorted(k for k in ('w', 'v', 'b') if any(f'leaf [{{k!r}}] was saved sharded' in str(x.message) for x in w)))\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[-2] == "1 True ['b', 'v', 'w']", out.stderr[-2000:]
