@@ -165,9 +165,12 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._states[(str(reader.root), reader.item)] = (save.state_of_restore(reader, recon), None)
         return out
 
-    def metadata(self, directory) -> records.Figures:
-        """The figures of the step item at `directory` (`records.Figures`)."""
-        return store.Reader(directory).figures()
+    def metadata(self, directory) -> dict:
+        """The figures of the step item at `directory` (`records.Figures`), and under "tree" the saved tree as a
+        restore target (`restore.abstract_tree`: `jax.ShapeDtypeStruct` leaves with the saved shardings), what
+        an Orbax user builds an abstract target from: `mngr.item_metadata(step)["tree"]`."""
+        reader = store.Reader(directory)
+        return {**reader.figures(), "tree": restore.abstract_tree(reader)}
 
     @classmethod
     def typestr(cls) -> str:

@@ -50,19 +50,41 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
         return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
 
 
-def saved_target(reader: store.Reader, meta: records.Leaf):
+def abstract_tree(reader: store.Reader) -> Any:
+    """The saved tree as a restore target, as Orbax's metadata tree serves: nested dicts and lists whose array
+    leaves are `jax.ShapeDtypeStruct`s (shape, dtype, the saved NamedSharding where `saved_target` can rebuild
+    it; a NumPy leaf without a sharding, so it restores as NumPy; a PRNG key with its key dtype) and whose
+    scalars are their values. `InshrinkRestore(tree)` restores what `InshrinkRestore()` does."""
+    values = []
+    for m in reader.manifest.leaves:
+        if m.kind == "scalar":
+            values.append(m.value)
+            continue
+        with store.reading(reader.directory, f"leaf {m.keystr}"):
+            if m.kind == "prng_key":
+                dtype = jax.eval_shape(lambda m=m: jax.random.key(0, impl=m.impl)).dtype
+                values.append(jax.ShapeDtypeStruct(tuple(m.shape), dtype))
+                continue
+            t = saved_target(reader, m, warn=False)
+            values.append(t if t is not None else jax.ShapeDtypeStruct(tuple(m.shape), jnp.dtype(m.dtype)))
+    with store.reading(reader.directory, "the tree of key paths"):
+        return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
+
+
+def saved_target(reader: store.Reader, meta: records.Leaf, warn: bool = True):
     """The target a restore without one uses for a leaf: its saved NamedSharding (`records.Leaf.mesh`) when every
     device of that mesh is present, as a `jax.ShapeDtypeStruct`; else None (the default device, with a warning
-    for a leaf that was saved sharded)."""
+    for a leaf that was saved sharded, if `warn`)."""
     layout = meta.mesh
     if layout is None or meta.kind not in ("array", "quantized", "dropped"):
         return None
     by_id = {d.id: d for d in jax.devices()}
     if not all(i in by_id for i in layout["devices"]):
-        warnings.warn(f"{store.describe(reader.directory)}: leaf {meta.keystr} was saved sharded over devices "
-                      f"{layout['devices'][:8]}{'...' if len(layout['devices']) > 8 else ''}, which this process "
-                      "does not all have: it is restored onto the default device. Pass a target whose leaves carry "
-                      "the shardings to use (jax.ShapeDtypeStruct(shape, dtype, sharding=...)).", stacklevel=4)
+        if warn:
+            warnings.warn(f"{store.describe(reader.directory)}: leaf {meta.keystr} was saved sharded over devices "
+                          f"{layout['devices'][:8]}{'...' if len(layout['devices']) > 8 else ''}, which this process "
+                          "does not all have: it is restored onto the default device. Pass a target whose leaves "
+                          "carry the shardings to use (jax.ShapeDtypeStruct(shape, dtype, sharding=...)).", stacklevel=4)
         return None
     devices = np.empty(len(layout["devices"]), dtype=object)
     devices[:] = [by_id[i] for i in layout["devices"]]

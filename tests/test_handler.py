@@ -515,6 +515,14 @@ def test_explicit_mesh_saves_and_restores_without_target_in_the_saved_sharding(t
             assert bare[k].sharding == state[k].sharding, k
             np.testing.assert_array_equal(np.asarray(bare[k]), np.asarray(targeted[k]))
         assert isinstance(bare["host"], np.ndarray) and bare["step"] == 3
+        tree = m.item_metadata(0)["tree"]  # Orbax users build a target from the metadata tree
+        assert tree["w"] == jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=state["w"].sharding)
+        assert tree["host"] == jax.ShapeDtypeStruct((6,), np.arange(6).dtype) and tree["step"] == 3
+        from_tree = m.restore(0, args=ij.InshrinkRestore(tree))
+        assert jax.tree.structure(from_tree) == jax.tree.structure(bare)
+        for a, b in zip(jax.tree.leaves(from_tree), jax.tree.leaves(bare)):
+            assert type(a) is type(b) and getattr(a, "sharding", None) == getattr(b, "sharding", None)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         m.save(1, args=ij.InshrinkSave({**state, "w": state["w"] + 0.01}))
         m.wait_until_finished()
         assert m.item_metadata(1)["kind"] == "delta"
