@@ -18,12 +18,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
 
-from inshrink_jax import records, restore, save, store
+from inshrink_jax import restore, save, store
 from inshrink_jax.base import BaseCheckpoint
 from inshrink_jax.config import CompressionConfig
 
@@ -156,7 +157,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         args = _restore_args(args)
         reader = store.Reader(directory)
         chained: dict = {}
-        out = restore.restore(reader, None if args is None else args.item, self._threads, chained,
+        target = None if args is None else args.item
+        if args is not None and args.restore_args is not None:
+            target = _with_restore_args(reader, target, args.restore_args)
+        out = restore.restore(reader, target, self._threads, chained,
                               partial=args is not None and args.partial_restore)
         # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
         # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
@@ -216,11 +220,17 @@ class InshrinkRestore(ocp.args.CheckpointArgs):
       partial_restore: the target may name only part of the saved tree: a dict target may leave keys out
         (`{"params": ...}` of a saved `{"params": ..., "opt_state": ...}`), and a None in the target stands for
         everything saved under it (`state.replace(opt_state=None)` of a Flax TrainState), restored as None. Only
-        the named leaves are read.
+        the named leaves are read. A leaf of `...` (Orbax's `ocp.PLACEHOLDER`) is not read and stays `...`.
+      restore_args: Orbax's per-leaf `ocp.ArrayRestoreArgs` / `ocp.RestoreArgs`, matched to the target's leaves
+        (or, without a target, the saved tree's) by key path: their sharding (or mesh and mesh_axes), dtype,
+        global_shape and restore_type (`np.ndarray`: restored as NumPy) make that leaf's target; the target's
+        leaf may then be a placeholder of any type (`object()`, 0). `ocp.checkpoint_utils.construct_restore_args`
+        makes them from an abstract tree.
     """
 
     item: Any = None
     partial_restore: bool = False
+    restore_args: Any = None
 
 
 def _save_args(args) -> "InshrinkSave":
@@ -244,7 +254,9 @@ def _save_args(args) -> "InshrinkSave":
 def _restore_args(args) -> "InshrinkRestore | None":
     """InshrinkRestore, or Orbax's StandardRestore / PyTreeRestore (their target; PyTreeRestore's
     partial_restore) as one. None stays None: the saved tree."""
-    if args is None or isinstance(args, InshrinkRestore):
+    if args is None:
+        return args
+    if isinstance(args, InshrinkRestore):
         return args
     if isinstance(args, ocp.args.StandardRestore):
         if args.fallback_sharding is not None:
@@ -252,13 +264,42 @@ def _restore_args(args) -> "InshrinkRestore | None":
                              "give each leaf of the target its sharding (jax.ShapeDtypeStruct(..., sharding=...))")
         return InshrinkRestore(args.item)
     if isinstance(args, ocp.args.PyTreeRestore):
-        if args.restore_args is not None or args.legacy_transform_fn is not None or args.transforms is not None:
-            raise ValueError("PyTreeRestore(restore_args=, transforms=, legacy_transform_fn=) is not supported by "
-                             "InshrinkCheckpointHandler: give the target as `item` (leaves as "
-                             "jax.ShapeDtypeStruct(shape, dtype, sharding=...))")
-        return InshrinkRestore(args.item, partial_restore=args.partial_restore)
+        if args.legacy_transform_fn is not None or args.transforms is not None:
+            raise ValueError("PyTreeRestore(transforms=, legacy_transform_fn=) is not supported by "
+                             "InshrinkCheckpointHandler: restore the saved tree and transform it yourself")
+        return InshrinkRestore(args.item, partial_restore=args.partial_restore, restore_args=args.restore_args)
     raise ValueError("InshrinkCheckpointHandler.restore needs `args=inshrink_jax.InshrinkRestore(target)` (or "
                      f"Orbax's StandardRestore(target) through inshrink_jax.handler_registry), got {args!r:.200}")
+
+
+def _with_restore_args(reader: store.Reader, item, restore_args):
+    """The restore target that Orbax's `restore_args` (InshrinkRestore.restore_args) describe: each leaf of `item`
+    (None: the saved tree, `restore.abstract_tree`) with restore args at its key path becomes a
+    `jax.ShapeDtypeStruct` (or a NumPy array for `restore_type=np.ndarray`) of the args' shape, dtype and
+    sharding, falling back to the leaf's own, then to the saved ones."""
+    base = restore.abstract_tree(reader) if item is None else item
+    by_path = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+        restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs))[0] if isinstance(a, ocp.RestoreArgs)}
+
+    def target(path, t):
+        key = jax.tree_util.keystr(path)
+        a, m = by_path.get(key), reader.leaves.get(key)
+        if a is None or m is None or m.kind == "scalar" or t is Ellipsis or t is None:
+            return t
+        shape = tuple(getattr(a, "global_shape", None) or getattr(t, "shape", None) or m.shape)
+        dtype = a.dtype or getattr(t, "dtype", None) or m.dtype
+        if a.restore_type is np.ndarray:
+            return np.zeros(shape, dtype)
+        sharding = getattr(a, "sharding", None)
+        if sharding is None and getattr(a, "mesh", None) is not None and a.mesh_axes is not None:
+            axes = a.mesh_axes
+            sharding = jax.sharding.NamedSharding(a.mesh, axes if isinstance(axes, jax.sharding.PartitionSpec)
+                                                  else jax.sharding.PartitionSpec(*axes))
+        if sharding is None and not isinstance(t, np.ndarray):
+            sharding = getattr(t, "sharding", None)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(target, base)
 
 
 def handler_registry(handler: InshrinkCheckpointHandler | None = None, item: str | None = None):

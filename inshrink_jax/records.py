@@ -370,12 +370,21 @@ def flatten(tree) -> tuple[list, Any]:
 
 
 def empty_containers(tree) -> list:
-    """[[path, "dict" | "list"]] of the empty dicts, lists and tuples (an optax EmptyState) in `tree`: a pytree
-    flattens them away, so the manifest lists them for a restore without a target."""
+    """[[path, "dict" | "list"]] of the containers without children in `tree` (`{}`, `[]`, `()`, an optax
+    EmptyState, an empty NamedTuple or dataclass): a pytree flattens them away, so the manifest lists them for a
+    restore without a target. A list or tuple is a "list"; a NamedTuple, whose fields restore as dict keys, and
+    any other node are a "dict"."""
     def empty(x):
-        return isinstance(x, (dict, list, tuple)) and len(x) == 0
+        if x is None:
+            return False
+        if isinstance(x, (dict, list, tuple)):
+            return len(x) == 0
+        return not jax.tree_util.tree_leaves(x, is_leaf=lambda y: y is not x)  # a leaf is its own one leaf
 
-    return [[path_entries(p), "list" if isinstance(x, (list, tuple)) else "dict"]
+    def kind(x):
+        return "list" if isinstance(x, (list, tuple)) and not hasattr(x, "_fields") else "dict"
+
+    return [[path_entries(p), kind(x)]
             for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or empty(x))[0]
             if empty(x)]
 

@@ -39,7 +39,8 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
         flat, treedef = records.flatten(target)
         pairs = match_target(reader, flat, partial)
     decode_codes(reader, pairs, threads)
-    values = [None if m is None else restore_leaf(reader, m, t) for m, t in pairs]  # None: a partial's placeholder
+    # A target of None (a partial restore's subtree) or ... (Orbax's PLACEHOLDER) is not read: it stays as it is.
+    values = [t if m is None else restore_leaf(reader, m, t) for m, t in pairs]
     if chained is not None:  # as saved: the chain goes on from the exact reconstruction, before any cast
         chained.update((m.keystr, v) for (m, _), v in zip(pairs, values)
                        if m is not None and m.coding == records.CLOSED_LOOP)
@@ -101,6 +102,7 @@ def match_target(reader: store.Reader, flat: list, partial: bool = False) -> lis
     that does not fit the saved tree is a ValueError naming the leaves and saying what to pass."""
     want = [jax.tree_util.keystr(p) for p, _ in flat]
     skipped = {k for k, (_, t) in zip(want, flat) if partial and t is None and k not in reader.leaves}
+    skipped |= {k for k, (_, t) in zip(want, flat) if t is Ellipsis and k in reader.leaves}  # Orbax's PLACEHOLDER
     missing = [k for k in want if k not in reader.leaves and k not in skipped]
     extra = [] if partial else sorted(set(reader.leaves) - set(want))
     if missing or extra:
@@ -114,7 +116,7 @@ def match_target(reader: store.Reader, flat: list, partial: bool = False) -> lis
     if problems:
         raise ValueError(f"{store.describe(reader.directory)}: the restore target does not match the saved "
                          f"leaves: " + "; ".join(problems[:20]))
-    return [(reader.leaves.get(k), t) for k, (_, t) in zip(want, flat)]
+    return [(None if k in skipped else reader.leaves.get(k), t) for k, (_, t) in zip(want, flat)]
 
 
 def overlap(a: list[list[int]], b: list[list[int]]):
