@@ -306,3 +306,32 @@ def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configu
         assert fig["kind"] == "delta"
     restored = mngr.restore(2, args=ij.InshrinkRestore(states[2]))
     assert rms(restored["w"], states[2]["w"]) < 0.5 * rms(states[2]["w"], states[1]["w"])
+
+
+@pytest.mark.parametrize("strict, bins", [(1e4, 32), (2.0, 16)])
+def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, strict, bins):
+    """An eval_fn that no configuration of the residual space satisfies: the save measures finer levels beyond
+    it (16, then 32, embedding tables too) and takes the first within epsilon, else the best measured; the step
+    restores to the reconstruction that was measured, and the next save searches the residual space again."""
+    states = list(walk(8, 3))
+    target = {"i": 0}
+
+    def quality(s):  # relative error against the state being saved, scaled by `strict`
+        w = states[target["i"]]["w"]
+        return 1.0 + strict * float(jnp.mean(jnp.abs(s["w"] - w)) / jnp.mean(jnp.abs(w)))
+
+    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig())
+    for i in range(2):
+        target["i"] = i
+        mngr.save(i, args=ij.InshrinkSave(states[i], eval_fn=quality))
+        mngr.wait_until_finished()
+    rec = mngr.item_metadata(1)["search"]
+    assert rec["coding"] == "residual" and rec["mode"] == "guarded"
+    assert (rec["chosen"]["bins"], rec["chosen"]["embedding_bins"]) == (bins, bins)
+    assert (rec["degradation"] <= 0.01) == (bins == 16)
+    restored = mngr.restore(1, args=ij.InshrinkRestore(states[1]))
+    assert quality(restored) - 1.0 == pytest.approx(rec["degradation"], rel=1e-5)
+    target["i"] = 2
+    mngr.save(2, args=ij.InshrinkSave(states[2]))  # no eval_fn: the residual space's own choice
+    mngr.wait_until_finished()
+    assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= 8
