@@ -155,6 +155,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
         args = _restore_args(args)
+        if store.is_orbax_written(directory):
+            return _restore_orbax_written(directory, args)
         reader = store.Reader(directory)
         chained: dict = {}
         target = None if args is None else args.item
@@ -300,6 +302,25 @@ def _with_restore_args(reader: store.Reader, item, restore_args):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     return jax.tree_util.tree_map_with_path(target, base)
+
+
+def _restore_orbax_written(directory, args: "InshrinkRestore | None"):
+    """A step that Orbax's PyTree / Standard handler wrote (a run moved over to inshrink_jax keeps its earlier
+    steps in the same root): restored by Orbax's PyTreeCheckpointHandler with the target's structure, shardings
+    and dtypes (`ocp.checkpoint_utils.construct_restore_args`, or the given restore_args). The chain is not
+    touched: the next save of this handler goes on from its own last save, or starts with a keyframe."""
+    target = None if args is None else args.item
+    restore_args = None if args is None else args.restore_args
+    if restore_args is None and target is not None:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(
+            jax.tree.map(lambda x: x if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)) else
+                         np.asarray(x), target))
+    orbax_handler = ocp.PyTreeCheckpointHandler()
+    try:
+        return orbax_handler.restore(directory, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=args is not None and args.partial_restore))
+    finally:
+        orbax_handler.close()
 
 
 def handler_registry(handler: InshrinkCheckpointHandler | None = None, item: str | None = None):

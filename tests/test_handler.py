@@ -535,3 +535,30 @@ def test_explicit_mesh_saves_and_restores_without_target_in_the_saved_sharding(t
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split("\n")[-2] == "1 True ['b', 'v', 'w']", out.stderr[-2000:]
+
+
+def test_steps_orbax_wrote_in_the_root_restore_and_the_run_goes_on(tmp_path, trained):
+    """A run moved over to inshrink_jax: the steps Orbax's standard handler wrote restore through our handler
+    (into a target, and without one), our saves go on in the same root (a keyframe first) with retention
+    deleting Orbax's steps as usual, and the tools name what such a step is."""
+    state, grads, _ = trained
+    with ocp.CheckpointManager(tmp_path) as m:
+        for step in (0, 1):
+            m.save(step, args=ocp.args.StandardSave(state.replace(step=step)))
+    with manager(tmp_path, max_to_keep=3) as m:
+        assert m.latest_step() == 1
+        restored = m.restore(1, args=ij.InshrinkRestore(abstract(state)))
+        assert int(restored.step) == 1 and type(restored) is type(state)
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state.replace(step=1))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        bare = m.restore(0)
+        np.testing.assert_array_equal(np.asarray(bare["params"]["Dense_0"]["kernel"]),
+                                      np.asarray(state.params["Dense_0"]["kernel"]))
+        for step in (2, 3):
+            m.save(step, args=ij.InshrinkSave(restored.replace(step=step), grads=grads))
+            m.wait_until_finished()
+        assert m.all_steps() == [1, 2, 3] and m.item_metadata(2)["kind"] == "keyframe"
+        assert int(m.restore(3, args=ij.InshrinkRestore(abstract(state))).step) == 3
+        assert int(m.restore(1, args=ij.InshrinkRestore(abstract(state))).step) == 1
+    with pytest.raises(ij.CheckpointCorruptError, match="written by Orbax's own handler"):
+        ij.store.Reader(tmp_path / "1" / "default")
