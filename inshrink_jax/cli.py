@@ -142,8 +142,8 @@ def _disk_usage(root: str, item: str, out: dict, names: dict) -> tuple[dict, dic
 
     needs = {s: _tree_bytes(root) if _standalone(root) else
              _tree_bytes(os.path.join(root, names[s])) + sum(object_bytes(r) for r in f["objects"])
-             for s, f in out.items() if "error" not in f}
-    owned = {f["object"] for f in out.values() if "error" not in f}
+             for s, f in out.items() if "error" not in f and f is not ORBAX_STEP}
+    owned = {f["object"] for f in out.values() if "error" not in f and f is not ORBAX_STEP}
     store_dir = str(store.objects_dir(root, item))
     stored = {n: _tree_bytes(os.path.join(store_dir, n))
               for n in (os.listdir(store_dir) if os.path.isdir(store_dir) else [])}
@@ -167,6 +167,10 @@ def _ratio(r) -> str:
     return "not stored" if r is None else f"{r:.1f}x"
 
 
+# inspect's entry for a step item that Orbax's own handler wrote (a run moved over in place).
+ORBAX_STEP = {"written_by": "orbax"}
+
+
 def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int:
     steps = _steps(root)
     if not steps and step is None and os.path.isdir(os.path.join(root, store.OBJECTS)):
@@ -178,7 +182,8 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
     progress = _Progress("inspect", len(chosen))
     for s, name in chosen.items():
         try:
-            out[s] = _summary(os.path.join(root, name, item))
+            out[s] = ORBAX_STEP if store.is_orbax_written(os.path.join(root, name, item)) else \
+                _summary(os.path.join(root, name, item))
         except store.CheckpointCorruptError as e:
             out[s] = {"error": str(e)}
         progress.step(f"step {s}")
@@ -196,6 +201,10 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
     for s, f in out.items():
         if "error" in f:
             print(f"{s:>7} ERROR {f['error']}")
+            continue
+        if f is ORBAX_STEP:
+            print(f"{s:>7}    orbax written by Orbax's own handler (before the run moved to inshrink_jax): restores "
+                  "through InshrinkCheckpointHandler; not inspected")
             continue
         q = f["quant"]
         conf = "lossless"
@@ -281,10 +290,15 @@ def verify(root: str, step: int | None, item: str | None) -> int:
     item = _item(root, steps, item)
     chosen = _select(steps, step, root)
     progress = _Progress("verify", len(chosen))
-    problems = []
+    problems, foreign = [], []
     for s, name in chosen.items():
-        problems += _verify_step(os.path.join(root, name, item))
+        if store.is_orbax_written(os.path.join(root, name, item)):
+            foreign.append(s)
+        else:
+            problems += _verify_step(os.path.join(root, name, item))
         progress.step(f"step {s}")
+    if foreign:
+        print(f"NOTE step(s) {', '.join(map(str, foreign))}: written by Orbax's own handler, not checked")
     problems = list(dict.fromkeys(problems))  # one line per distinct problem
     for p in problems:
         print(f"PROBLEM {p}")

@@ -537,7 +537,7 @@ def test_explicit_mesh_saves_and_restores_without_target_in_the_saved_sharding(t
     assert out.stdout.split("\n")[-2] == "1 True ['b', 'v', 'w']", out.stderr[-2000:]
 
 
-def test_steps_orbax_wrote_in_the_root_restore_and_the_run_goes_on(tmp_path, trained):
+def test_steps_orbax_wrote_in_the_root_restore_and_the_run_goes_on(tmp_path, trained, capsys):
     """A run moved over to inshrink_jax: the steps Orbax's standard handler wrote restore through our handler
     (into a target, and without one), our saves go on in the same root (a keyframe first) with retention
     deleting Orbax's steps as usual, and the tools name what such a step is."""
@@ -562,3 +562,7 @@ def test_steps_orbax_wrote_in_the_root_restore_and_the_run_goes_on(tmp_path, tra
         assert int(m.restore(1, args=ij.InshrinkRestore(abstract(state))).step) == 1
     with pytest.raises(ij.CheckpointCorruptError, match="written by Orbax's own handler"):
         ij.store.Reader(tmp_path / "1" / "default")
+    from inshrink_jax import cli
+    assert cli.main(["inspect", str(tmp_path)]) == 0 and cli.main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "1    orbax written by Orbax's own handler" in out and "NOTE step(s) 1: written by Orbax" in out
