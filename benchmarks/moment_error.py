@@ -1,10 +1,10 @@
 """How Adam's moments may be quantized: the error each coding puts into the update `mu / sqrt(nu)`, and its bits.
 
-Usage: python benchmarks/moment_error.py [--steps 300] [--out benchmarks/results/moment_error.md]
+Usage: python benchmarks/moment_error.py [--workload charlm] [--steps 300] [--out benchmarks/results/moment_error.md]
 (needs the `bench` extra: pip install -e '.[bench]')
 
-Trains the character transformer of bench_fault_tolerance.py (440k parameters, AdamW) for --steps steps, takes
-Adam's state of every kernel (the leaves inshrink_jax quantizes) and measures, summed over them:
+Trains a workload of bench_fidelity.py (the character transformer by default; `lstm`: the fine-tune of a
+pretrained character LSTM) for --steps steps, takes Adam's state of every kernel (the leaves inshrink_jax quantizes) and measures, summed over them:
   - `mu` coded by moments.py with K log-levels a sign (what a checkpoint stores), by uniform levels of
     `u = mu / sqrt(nu)` (a coding relative to the second moment, not built: the best step of a scan), or dropped;
   - `nu` coded by moments.py with K levels.
@@ -26,6 +26,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_fault_tolerance as ft  # noqa: E402
+import bench_fidelity as bf  # noqa: E402
 import digits  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
 
@@ -60,14 +61,17 @@ def uniform_u(u: np.ndarray, levels: int) -> tuple[float, float]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(set(bf.WORKLOADS) - {"mnist"}), default="charlm")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    work = ft.CharLM(0, 600)
+    cls = bf.WORKLOADS[args.workload]
+    work = cls(0, cls.steps)
     state = work.create_state()
     for step in range(1, args.steps + 1):
         state, _, _ = digits.train_step(state, *work.batch(step))
-    adam = state.opt_state[0]
+    adam, = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "nu") and hasattr(x, "mu"))
+             if hasattr(s, "nu")]
     pairs = [(np.asarray(m), np.asarray(v)) for m, v in zip(jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu))
              if m.ndim >= 2 and m.size >= 1024]
     n = sum(m.size for m, _ in pairs)
@@ -77,7 +81,7 @@ def main(argv=None):
         den = np.sqrt(nu) + EPS
         u = mu / den
         uu = float((u ** 2).sum())
-        for bins in (16, 4, 2):
+        for bins in (16, 8, 4, 2):
             q, codes = decoded(mu, True, bins)
             r = rows_mu.setdefault(f"{bins} log-levels a sign (moments.py)", [0.0, 0.0, 0.0])
             r[0] += float((((q - mu) / den) ** 2).sum()); r[1] += uu; r[2] += entropy_bits(codes)
@@ -87,7 +91,7 @@ def main(argv=None):
             r[0] += e; r[1] += uu; r[2] += bits
         r = rows_mu.setdefault("dropped", [0.0, 0.0, 0.0])
         r[0] += uu; r[1] += uu
-        for bins in (16, 8, 4, 2):
+        for bins in (64, 32, 16, 8, 4, 2):
             q, codes = decoded(nu, False, bins)
             uq = mu / (np.sqrt(q) + EPS)
             nz = nu > 0
@@ -95,9 +99,9 @@ def main(argv=None):
             r = rows_nu.setdefault(bins, [0.0, 0.0, 0.0, 0.0])
             r[0] += float(((uq - u) ** 2).sum()); r[1] += uu; r[2] += entropy_bits(codes)
             r[3] = max(r[3], float(np.quantile(factor, 0.99)) if factor.size else 1.0)
-    lines = [f"# Adam's moments: update error and bits of each coding (character transformer, {args.steps} steps)",
-             "", f"Command: `python benchmarks/moment_error.py --steps {args.steps}"
-                 f"{' --out ' + args.out if args.out else ''}`", "",
+    lines = [f"# Adam's moments: update error and bits of each coding ({work.name}, {args.steps} steps)",
+             "", f"Command: `python benchmarks/moment_error.py --workload {args.workload} --steps {args.steps}"
+                 f"{' --out ' + args.out if args.out else ''}`", "", f"{work.describe(cls.steps)}.", "",
              f"{len(pairs)} kernels, {n:,} values of each moment. Update error: ||u' - u||^2 / ||u||^2 of "
              "u = mu / sqrt(nu); bits: order-0 entropy of the codes a value (a stored delta of `nu` costs less).",
              "", "| `mu` coded as | update error | bits a value |", "|---|---:|---:|"]
