@@ -159,11 +159,14 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             return _restore_orbax_written(directory, args)
         reader = store.Reader(directory)
         chained: dict = {}
-        target = None if args is None else args.item
+        target, leaf_targets = None if args is None else args.item, None
         if args is not None and args.restore_args is not None:
-            target = _with_restore_args(reader, target, args.restore_args)
+            if target is None:
+                leaf_targets = _leaf_targets(reader, args.restore_args)
+            else:
+                target = _with_restore_args(reader, target, args.restore_args)
         out = restore.restore(reader, target, self._threads, chained,
-                              partial=args is not None and args.partial_restore)
+                              partial=args is not None and args.partial_restore, leaf_targets=leaf_targets)
         # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
         # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
         # from its configuration.
@@ -275,33 +278,62 @@ def _restore_args(args) -> "InshrinkRestore | None":
 
 
 def _with_restore_args(reader: store.Reader, item, restore_args):
-    """The restore target that Orbax's `restore_args` (InshrinkRestore.restore_args) describe: each leaf of `item`
-    (None: the saved tree, `restore.abstract_tree`) with restore args at its key path becomes a
-    `jax.ShapeDtypeStruct` (or a NumPy array for `restore_type=np.ndarray`) of the args' shape, dtype and
-    sharding, falling back to the leaf's own, then to the saved ones."""
-    base = restore.abstract_tree(reader) if item is None else item
-    by_path = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(
-        restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs))[0] if isinstance(a, ocp.RestoreArgs)}
+    """The restore target that Orbax's `restore_args` (InshrinkRestore.restore_args) describe for `item`: each of
+    its leaves with restore args at its key path becomes `_arg_target`."""
+    by_path = _restore_args_by_path(restore_args, jax.tree_util.keystr)
 
     def target(path, t):
         key = jax.tree_util.keystr(path)
         a, m = by_path.get(key), reader.leaves.get(key)
-        if a is None or m is None or m.kind == "scalar" or t is Ellipsis or t is None:
-            return t
-        shape = tuple(getattr(a, "global_shape", None) or getattr(t, "shape", None) or m.shape)
-        dtype = a.dtype or getattr(t, "dtype", None) or m.dtype
-        if a.restore_type is np.ndarray:
-            return np.zeros(shape, dtype)
-        sharding = getattr(a, "sharding", None)
-        if sharding is None and getattr(a, "mesh", None) is not None and a.mesh_axes is not None:
-            axes = a.mesh_axes
-            sharding = jax.sharding.NamedSharding(a.mesh, axes if isinstance(axes, jax.sharding.PartitionSpec)
-                                                  else jax.sharding.PartitionSpec(*axes))
-        if sharding is None and not isinstance(t, np.ndarray):
-            sharding = getattr(t, "sharding", None)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return t if a is None or m is None or t is Ellipsis or t is None else _arg_target(a, m, t)
 
-    return jax.tree_util.tree_map_with_path(target, base)
+    return jax.tree_util.tree_map_with_path(target, item)
+
+
+def _leaf_targets(reader: store.Reader, restore_args) -> dict:
+    """Without a target: {saved leaf: its `_arg_target`} for the saved leaves that `restore_args` name, matched by
+    their keys alone (a saved TrainState's `.params` is the `["params"]` of the nested dicts such a restore
+    gives)."""
+    by_keys = _restore_args_by_path(restore_args, lambda path: tuple(str(_key(k)) for k in path))
+    out = {}
+    for m in reader.manifest.leaves:
+        a = by_keys.get(tuple(str(key) for _, key in m.path))
+        if a is not None:
+            out[m.keystr] = _arg_target(a, m, None)
+    return out
+
+
+def _key(k):
+    """The key of one jax key-path entry (a dict key, an attribute name or a sequence index)."""
+    for name in ("key", "name", "idx"):
+        if hasattr(k, name):
+            return getattr(k, name)
+    return k
+
+
+def _restore_args_by_path(restore_args, keyof) -> dict:
+    return {keyof(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+        restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs))[0] if isinstance(a, ocp.RestoreArgs)}
+
+
+def _arg_target(a, m, t):
+    """A leaf's restore target from its Orbax restore args `a`, its target leaf `t` (any placeholder, or None)
+    and its saved record `m`: a `jax.ShapeDtypeStruct` (a NumPy array for `restore_type=np.ndarray`) of the
+    args' shape, dtype and sharding (or mesh and mesh_axes), falling back to the leaf's, then to the saved ones."""
+    if m.kind == "scalar":
+        return t
+    shape = tuple(getattr(a, "global_shape", None) or getattr(t, "shape", None) or m.shape)
+    dtype = a.dtype or getattr(t, "dtype", None) or m.dtype
+    if a.restore_type is np.ndarray:
+        return np.zeros(shape, dtype)
+    sharding = getattr(a, "sharding", None)
+    if sharding is None and getattr(a, "mesh", None) is not None and a.mesh_axes is not None:
+        axes = a.mesh_axes
+        sharding = jax.sharding.NamedSharding(a.mesh, axes if isinstance(axes, jax.sharding.PartitionSpec)
+                                              else jax.sharding.PartitionSpec(*axes))
+    if sharding is None and not isinstance(t, np.ndarray):
+        sharding = getattr(t, "sharding", None)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def _restore_orbax_written(directory, args: "InshrinkRestore | None"):

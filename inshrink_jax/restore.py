@@ -21,14 +21,17 @@ from inshrink_jax import quantize, records, store
 
 
 def restore(reader: store.Reader, target: Any, threads: int, chained: dict | None = None,
-            partial: bool = False) -> Any:
+            partial: bool = False, leaf_targets: dict | None = None) -> Any:
     """The step item read by `reader`, restored into `target` (None: the saved tree as nested dicts and lists,
     arrays on the default device; else a tree of the saved structure whose leaves are arrays,
     `jax.ShapeDtypeStruct`s (with `sharding=` to restore into that layout), NumPy arrays or scalars).
     `chained`, if given, receives key path -> restored value of every leaf of a closed-loop chain. `partial`:
-    the target may hold only some of the saved leaves (a subtree); only those are read."""
+    the target may hold only some of the saved leaves (a subtree); only those are read. `leaf_targets`, without a
+    target: key path -> the target of that saved leaf, for the leaves that are not to go where they were saved."""
     if target is None:
-        flat, treedef, pairs = None, None, [(m, saved_target(reader, m)) for m in reader.manifest.leaves]
+        given = leaf_targets or {}
+        flat, treedef, pairs = None, None, [(m, given[m.keystr] if m.keystr in given else saved_target(reader, m))
+                                            for m in reader.manifest.leaves]
     else:
         nnx = sys.modules.get("flax.nnx")  # imported by whoever made an NNX object
         live = tuple(getattr(nnx, n) for n in ("Pytree", "Object", "Module") if hasattr(nnx, n))

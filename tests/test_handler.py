@@ -476,9 +476,13 @@ def test_orbax_standard_args_through_handler_registry(tmp_path, trained):
         tree = m.restore(3, args=ocp.args.PyTreeRestore(like.replace(opt_state=None), partial_restore=True))
         with pytest.raises(ValueError, match="save_args=.*not supported"):
             m.save(5, args=ocp.args.StandardSave(state, save_args=jax.tree.map(lambda _: ocp.SaveArgs(), state)))
-        with pytest.raises(ValueError, match="restore_args=.*not supported"):
-            m.restore(3, args=ocp.args.PyTreeRestore(like, restore_args=jax.tree.map(
-                lambda _: ocp.RestoreArgs(), like)))
+        with pytest.raises(ValueError, match="transforms=.*not supported"):
+            m.restore(3, args=ocp.args.PyTreeRestore(like, transforms={}))
+        with_args = m.restore(3, args=ocp.args.PyTreeRestore(restore_args=ocp.checkpoint_utils.construct_restore_args(
+            like)))  # Orbax's restore_args alone: the saved tree, each leaf where they say
+    for a, b in zip(jax.tree.leaves(with_args["params"]), jax.tree.leaves(ours.params)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(standard), jax.tree.leaves(ours)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert int(standard.step) == 3 and tree.opt_state is None
