@@ -29,9 +29,15 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
     the target may hold only some of the saved leaves (a subtree); only those are read. `leaf_targets`, without a
     target: key path -> the target of that saved leaf, for the leaves that are not to go where they were saved."""
     if target is None:
-        given = leaf_targets or {}
-        flat, treedef, pairs = None, None, [(m, given[m.keystr] if m.keystr in given else saved_target(reader, m))
-                                            for m in reader.manifest.leaves]
+        given, elsewhere = leaf_targets or {}, []
+        flat, treedef, pairs = None, None, [(m, given[m.keystr] if m.keystr in given else saved_target(
+            reader, m, elsewhere)) for m in reader.manifest.leaves]
+        if elsewhere:
+            warnings.warn(f"{store.describe(reader.directory)}: {len(elsewhere)} leaves ({', '.join(elsewhere[:3])}"
+                          f"{', ...' if len(elsewhere) > 3 else ''}) were saved sharded over devices this process "
+                          "does not all have: they are restored onto the default device. Pass a target whose "
+                          "leaves carry the shardings to use (jax.ShapeDtypeStruct(shape, dtype, sharding=...)).",
+                          stacklevel=3)
     else:
         nnx = sys.modules.get("flax.nnx")  # imported by whoever made an NNX object
         live = tuple(getattr(nnx, n) for n in ("Pytree", "Object", "Module") if hasattr(nnx, n))
@@ -69,26 +75,23 @@ def abstract_tree(reader: store.Reader) -> Any:
                 dtype = jax.eval_shape(lambda m=m: jax.random.key(0, impl=m.impl)).dtype
                 values.append(jax.ShapeDtypeStruct(tuple(m.shape), dtype))
                 continue
-            t = saved_target(reader, m, warn=False)
+            t = saved_target(reader, m)
             values.append(t if t is not None else jax.ShapeDtypeStruct(tuple(m.shape), jnp.dtype(m.dtype)))
     with store.reading(reader.directory, "the tree of key paths"):
         return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
 
 
-def saved_target(reader: store.Reader, meta: records.Leaf, warn: bool = True):
+def saved_target(reader: store.Reader, meta: records.Leaf, elsewhere: list | None = None):
     """The target a restore without one uses for a leaf: its saved NamedSharding (`records.Leaf.mesh`) when every
-    device of that mesh is present, as a `jax.ShapeDtypeStruct`; else None (the default device, with a warning
-    for a leaf that was saved sharded, if `warn`)."""
+    device of that mesh is present, as a `jax.ShapeDtypeStruct`; else None (the default device), and a leaf
+    that was saved sharded is added to `elsewhere` (the caller warns once)."""
     layout = meta.mesh
     if layout is None or meta.kind not in ("array", "quantized", "dropped"):
         return None
     by_id = {d.id: d for d in jax.devices()}
     if not all(i in by_id for i in layout["devices"]):
-        if warn:
-            warnings.warn(f"{store.describe(reader.directory)}: leaf {meta.keystr} was saved sharded over devices "
-                          f"{layout['devices'][:8]}{'...' if len(layout['devices']) > 8 else ''}, which this process "
-                          "does not all have: it is restored onto the default device. Pass a target whose leaves "
-                          "carry the shardings to use (jax.ShapeDtypeStruct(shape, dtype, sharding=...)).", stacklevel=4)
+        if elsewhere is not None:
+            elsewhere.append(meta.keystr)
         return None
     devices = np.empty(len(layout["devices"]), dtype=object)
     devices[:] = [by_id[i] for i in layout["devices"]]
