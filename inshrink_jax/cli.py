@@ -182,8 +182,9 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
     progress = _Progress("inspect", len(chosen))
     for s, name in chosen.items():
         try:
-            out[s] = ORBAX_STEP if store.is_orbax_written(os.path.join(root, name, item)) else \
-                _summary(os.path.join(root, name, item))
+            out[s] = _summary(os.path.join(root, name, item))
+        except store.OrbaxWrittenStep:
+            out[s] = ORBAX_STEP
         except store.CheckpointCorruptError as e:
             out[s] = {"error": str(e)}
         progress.step(f"step {s}")
@@ -246,6 +247,8 @@ def _verify_step(directory: str) -> list[str]:
         for oid in reader.commit["objects"]:
             reader.object(oid)  # commit record and offset tables against their checksums
         reader.base()  # the base checkpoint, if any: there, and the one the step was saved against
+    except store.OrbaxWrittenStep:
+        raise  # not ours to check: verify lists it
     except store.CheckpointCorruptError as e:
         return [str(e)]
     problems = []
@@ -292,10 +295,10 @@ def verify(root: str, step: int | None, item: str | None) -> int:
     progress = _Progress("verify", len(chosen))
     problems, foreign = [], []
     for s, name in chosen.items():
-        if store.is_orbax_written(os.path.join(root, name, item)):
-            foreign.append(s)
-        else:
+        try:
             problems += _verify_step(os.path.join(root, name, item))
+        except store.OrbaxWrittenStep:
+            foreign.append(s)
         progress.step(f"step {s}")
     if foreign:
         print(f"NOTE step(s) {', '.join(map(str, foreign))}: written by Orbax's own handler, not checked")

@@ -155,9 +155,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
         args = _restore_args(args)
-        if store.is_orbax_written(directory):
+        try:
+            reader = store.Reader(directory)
+        except store.OrbaxWrittenStep:
             return _restore_orbax_written(directory, args)
-        reader = store.Reader(directory)
         chained: dict = {}
         target, leaf_targets = None if args is None else args.item, None
         if args is not None and args.restore_args is not None:
@@ -279,12 +280,11 @@ def _restore_args(args) -> "InshrinkRestore | None":
 
 def _with_restore_args(reader: store.Reader, item, restore_args):
     """The restore target that Orbax's `restore_args` (InshrinkRestore.restore_args) describe for `item`: each of
-    its leaves with restore args at its key path becomes `_arg_target`."""
-    by_path = _restore_args_by_path(restore_args, jax.tree_util.keystr)
+    its leaves with restore args at its keys becomes `_arg_target`."""
+    by_keys = _by_keys(restore_args)
 
     def target(path, t):
-        key = jax.tree_util.keystr(path)
-        a, m = by_path.get(key), reader.leaves.get(key)
+        a, m = by_keys.get(_keys(path)), reader.leaves.get(jax.tree_util.keystr(path))
         return t if a is None or m is None or t is Ellipsis or t is None else _arg_target(a, m, t)
 
     return jax.tree_util.tree_map_with_path(target, item)
@@ -294,25 +294,19 @@ def _leaf_targets(reader: store.Reader, restore_args) -> dict:
     """Without a target: {saved leaf: its `_arg_target`} for the saved leaves that `restore_args` name, matched by
     their keys alone (a saved TrainState's `.params` is the `["params"]` of the nested dicts such a restore
     gives)."""
-    by_keys = _restore_args_by_path(restore_args, lambda path: tuple(str(_key(k)) for k in path))
-    out = {}
-    for m in reader.manifest.leaves:
-        a = by_keys.get(tuple(str(key) for _, key in m.path))
-        if a is not None:
-            out[m.keystr] = _arg_target(a, m, None)
-    return out
+    by_keys = _by_keys(restore_args)
+    return {m.keystr: _arg_target(a, m, None) for m in reader.manifest.leaves
+            if (a := by_keys.get("/".join(str(key) for _, key in m.path))) is not None}
 
 
-def _key(k):
-    """The key of one jax key-path entry (a dict key, an attribute name or a sequence index)."""
-    for name in ("key", "name", "idx"):
-        if hasattr(k, name):
-            return getattr(k, name)
-    return k
+def _keys(path) -> str:
+    """A key path by its keys alone, whether they are dict keys, attribute names or sequence indices."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
-def _restore_args_by_path(restore_args, keyof) -> dict:
-    return {keyof(p): a for p, a in jax.tree_util.tree_flatten_with_path(
+def _by_keys(restore_args) -> dict:
+    """{`_keys` of its path: args} of each leaf of a tree of Orbax RestoreArgs."""
+    return {_keys(p): a for p, a in jax.tree_util.tree_flatten_with_path(
         restore_args, is_leaf=lambda x: isinstance(x, ocp.RestoreArgs))[0] if isinstance(a, ocp.RestoreArgs)}
 
 

@@ -9,6 +9,7 @@ into another layout than the one saved reads what it needs and nothing is gather
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import sys
 import warnings
 from typing import Any, Callable
@@ -88,19 +89,27 @@ def saved_target(reader: store.Reader, meta: records.Leaf, elsewhere: list | Non
     layout = meta.mesh
     if layout is None or meta.kind not in ("array", "quantized", "dropped"):
         return None
-    by_id = {d.id: d for d in jax.devices()}
-    if not all(i in by_id for i in layout["devices"]):
+    mesh = _saved_mesh(tuple(layout["devices"]), tuple(map(tuple, layout["axes"])))
+    if mesh is None:
         if elsewhere is not None:
             elsewhere.append(meta.keystr)
         return None
-    devices = np.empty(len(layout["devices"]), dtype=object)
-    devices[:] = [by_id[i] for i in layout["devices"]]
-    axes = layout["axes"]
-    mesh = jax.sharding.Mesh(devices.reshape([n for _, n, _ in axes]), [a for a, _, _ in axes],
-                             axis_types=tuple(getattr(jax.sharding.AxisType, t) for _, _, t in axes))
     spec = jax.sharding.PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in layout["spec"]])
     return jax.ShapeDtypeStruct(tuple(meta.shape), jnp.dtype(meta.dtype), sharding=jax.sharding.NamedSharding(mesh,
                                                                                                             spec))
+
+
+@functools.lru_cache(maxsize=64)
+def _saved_mesh(device_ids: tuple, axes: tuple) -> jax.sharding.Mesh | None:
+    """The Mesh of a `records.Leaf.mesh` (built once for all the leaves that share it), or None when this
+    process does not have all its devices."""
+    by_id = {d.id: d for d in jax.devices()}
+    if not all(i in by_id for i in device_ids):
+        return None
+    devices = np.empty(len(device_ids), dtype=object)
+    devices[:] = [by_id[i] for i in device_ids]
+    return jax.sharding.Mesh(devices.reshape([n for _, n, _ in axes]), [a for a, _, _ in axes],
+                             axis_types=tuple(getattr(jax.sharding.AxisType, t) for _, _, t in axes))
 
 
 def match_target(reader: store.Reader, flat: list, partial: bool = False) -> list[tuple[records.Leaf, Any]]:

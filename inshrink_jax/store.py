@@ -212,21 +212,24 @@ def read_json(path, what: str, directory) -> tuple[Any, bytes]:
 ORBAX_METADATA = "_METADATA"  # the tree metadata of an item Orbax's PyTree / Standard handler wrote
 
 
-def is_orbax_written(directory) -> bool:
-    """Whether a step item was written by Orbax's own PyTree / Standard handler, not by inshrink_jax (a run that
-    moved over keeps its earlier steps in the same root)."""
-    d = epath.Path(directory)
-    return not (d / MANIFEST).exists() and (d / ORBAX_METADATA).exists()
+class OrbaxWrittenStep(CheckpointCorruptError):
+    """A step item written by Orbax's own PyTree / Standard handler, not by inshrink_jax (a run that moved over
+    keeps its earlier steps in the same root): InshrinkCheckpointHandler.restore reads it through Orbax; the
+    command line lists it and reads no further."""
 
 
 def read_manifest(directory) -> tuple[records.Manifest, int]:
     """(the checked manifest of a step item, the CRC32 of its file); a newer format, a foreign item, a bad record
-    or a manifest whose object belongs to another step is a named error."""
-    if is_orbax_written(directory):
-        raise CheckpointCorruptError(
-            f"{describe(directory)}: written by Orbax's own handler, not inshrink_jax. "
-            "InshrinkCheckpointHandler.restore reads it (through Orbax); inspect, verify and copy do not.")
-    body, raw = read_json(epath.Path(directory) / MANIFEST, "manifest", directory)
+    or a manifest whose object belongs to another step is a named error; an item Orbax wrote is
+    `OrbaxWrittenStep`."""
+    try:
+        body, raw = read_json(epath.Path(directory) / MANIFEST, "manifest", directory)
+    except CheckpointCorruptError:
+        if not (epath.Path(directory) / MANIFEST).exists() and (epath.Path(directory) / ORBAX_METADATA).exists():
+            raise OrbaxWrittenStep(
+                f"{describe(directory)}: written by Orbax's own handler, not inshrink_jax. "
+                "InshrinkCheckpointHandler.restore reads it (through Orbax); inspect, verify and copy do not.") from None
+        raise
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{describe(directory)}: not an inshrink_jax checkpoint item")
     version = body.get("version")
