@@ -211,6 +211,9 @@ def main(argv=None):
                          "workload with the same --cache, e.g. ours and the baselines run side by side)")
     ap.add_argument("--cache", default=None, help="directory keeping the uninterrupted reference runs between "
                                                   "invocations (they do not depend on the methods)")
+    ap.add_argument("--references", default=None, metavar="JSON",
+                    help="take the uninterrupted reference runs from this figure file of an earlier invocation of "
+                         "this workload (they do not depend on inshrink_jax) instead of running them")
     args = ap.parse_args(argv)
     cls = WORKLOADS[args.workload]
     steps, every = cls.steps, cls.every
@@ -223,6 +226,12 @@ def main(argv=None):
     work = make(0)
 
     def reference(seed):
+        if args.references:
+            with open(args.references) as f:
+                r = json.load(f)["references"][seed]
+            # JSON keys are strings; the runs index their steps by int
+            return {**r, "losses": {int(k): v for k, v in r["losses"].items()},
+                    "curve": {int(k): v for k, v in r["curve"].items()}}
         path = args.cache and os.path.join(args.cache, f"{work.name}-{seed}-{steps}-{every}.pkl")
         if path and os.path.exists(path):
             with open(path, "rb") as f:

@@ -5,8 +5,9 @@ Usage: python benchmarks/moment_error.py [--workload charlm] [--steps 300] [--ou
 
 Trains a workload of bench_fidelity.py (the character transformer by default; `lstm`: the fine-tune of a
 pretrained character LSTM) for --steps steps, takes Adam's state of every kernel (the leaves inshrink_jax quantizes) and measures, summed over them:
-  - `mu` coded by moments.py with K log-levels a sign (what a checkpoint stores), by uniform levels of
-    `u = mu / sqrt(nu)` (a coding relative to the second moment, not built: the best step of a scan), or dropped;
+  - `mu` coded by moments.py relative to sqrt(nu as stored) at several `moment_budget`s (what a checkpoint
+    stores; K levels chosen per tensor), on its own with K log-levels a sign (the coding of format versions <= 8),
+    by uniform levels of `u = mu / sqrt(nu)` (the best step of a scan), or dropped;
   - `nu` coded by moments.py with K levels.
 Update error: ||u' - u||^2 / ||u||^2 with u' the update after decoding (eps 1e-8 as optax's default). Bits:
 order-0 entropy of the codes (what an ideal entropy coder pays; zstd-radix comes within a few percent). For
@@ -33,6 +34,7 @@ import report  # noqa: E402
 from inshrink_jax import moments  # noqa: E402
 
 EPS = 1e-8
+BUDGETS = (0.02, 0.05, 0.1, 0.2, 0.3)
 
 
 def entropy_bits(codes: np.ndarray) -> float:
@@ -41,11 +43,17 @@ def entropy_bits(codes: np.ndarray) -> float:
     return float(-(p * np.log2(p)).sum()) * codes.size
 
 
-def decoded(m: np.ndarray, first: bool, bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """(decoded moment, codes) of moments.py with `bins` levels."""
-    cfg = ft.ij.CompressionConfig(**{("first_moment_bins" if first else "moment_bins"): bins})
-    dev, = moments.encode_on_device([jnp.asarray(m)], [None], cfg, first=[first])
+def decoded(m: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """(decoded moment, codes) of moments.py's log-domain coding with `bins` levels a sign."""
+    dev, = moments.encode_on_device([jnp.asarray(m)], ft.ij.CompressionConfig(moment_bins=bins))
     return np.asarray(dev.dequantize(np.float32)), np.asarray(dev.codes)
+
+
+def ratio_decoded(mu: np.ndarray, nu_hat: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """(decoded first moment, codes, levels) of moments.py's coding relative to sqrt(`nu_hat`)."""
+    dev, = moments.encode_first_on_device([jnp.asarray(mu)], [jnp.asarray(nu_hat)], [None],
+                                          ft.ij.CompressionConfig(moment_budget=budget))
+    return np.asarray(dev.dequantize(np.float32)), np.asarray(dev.codes), int(dev.bins)
 
 
 def uniform_u(u: np.ndarray, levels: int) -> tuple[float, float]:
@@ -77,22 +85,30 @@ def main(argv=None):
     n = sum(m.size for m, _ in pairs)
     rows_mu: dict[str, list[float]] = {}
     rows_nu: dict[int, list[float]] = {}
+    levels: dict[str, list[int]] = {}
     for mu, nu in pairs:
         den = np.sqrt(nu) + EPS
         u = mu / den
         uu = float((u ** 2).sum())
-        for bins in (16, 8, 4, 2):
-            q, codes = decoded(mu, True, bins)
-            r = rows_mu.setdefault(f"{bins} log-levels a sign (moments.py)", [0.0, 0.0, 0.0])
+        nu_hat, _ = decoded(nu, 16)  # the second moment as the default stores it
+        for budget in BUDGETS:
+            q, codes, k = ratio_decoded(mu, nu_hat, budget)
+            name = f"relative to sqrt(nu as stored), moment_budget {budget} (moments.py)"
+            r = rows_mu.setdefault(name, [0.0, 0.0, 0.0])
             r[0] += float((((q - mu) / den) ** 2).sum()); r[1] += uu; r[2] += entropy_bits(codes)
-        for levels in (3, 5, 7):
-            e, bits = uniform_u(u, levels)
-            r = rows_mu.setdefault(f"{levels} uniform levels of mu / sqrt(nu) (not built)", [0.0, 0.0, 0.0])
+            levels.setdefault(name, []).append(k)
+        for bins in (16, 8, 4, 2):
+            q, codes = decoded(mu, bins)
+            r = rows_mu.setdefault(f"on its own, {bins} log-levels a sign (format <= 8)", [0.0, 0.0, 0.0])
+            r[0] += float((((q - mu) / den) ** 2).sum()); r[1] += uu; r[2] += entropy_bits(codes)
+        for n_levels in (3, 5, 7):
+            e, bits = uniform_u(u, n_levels)
+            r = rows_mu.setdefault(f"{n_levels} uniform levels of mu / sqrt(nu)", [0.0, 0.0, 0.0])
             r[0] += e; r[1] += uu; r[2] += bits
         r = rows_mu.setdefault("dropped", [0.0, 0.0, 0.0])
         r[0] += uu; r[1] += uu
         for bins in (64, 32, 16, 8, 4, 2):
-            q, codes = decoded(nu, False, bins)
+            q, codes = decoded(nu, bins)
             uq = mu / (np.sqrt(q) + EPS)
             nz = nu > 0
             factor = np.sqrt(np.maximum(q[nz] / nu[nz], nu[nz] / q[nz]))
@@ -104,8 +120,9 @@ def main(argv=None):
                  f"{' --out ' + args.out if args.out else ''}`", "", f"{work.describe(cls.steps)}.", "",
              f"{len(pairs)} kernels, {n:,} values of each moment. Update error: ||u' - u||^2 / ||u||^2 of "
              "u = mu / sqrt(nu); bits: order-0 entropy of the codes a value (a stored delta of `nu` costs less).",
-             "", "| `mu` coded as | update error | bits a value |", "|---|---:|---:|"]
-    lines += [f"| {k} | {e / t:.1%} | {b / n:.2f} |" for k, (e, t, b) in rows_mu.items()]
+             "", "| `mu` coded | update error | bits a value | levels per tensor |", "|---|---:|---:|---|"]
+    lines += [f"| {k} | {e / t:.1%} | {b / n:.2f} | {' '.join(map(str, levels.get(k, ()))) or '-'} |"
+              for k, (e, t, b) in rows_mu.items()]
     lines += ["", "| `nu` coded with | update error | bits a value (own codes) | step-size factor, 99th percentile |",
               "|---|---:|---:|---:|"]
     lines += [f"| {k} log-levels | {e / t:.2%} | {b / n:.2f} | {f:.2f}x |" for k, (e, t, b, f) in rows_nu.items()]

@@ -1,6 +1,6 @@
 """Where the bytes of one save go, and what a restore of it costs in a new process.
 
-Usage: python benchmarks/save_breakdown.py [--saves 4] [--config "first_moment_bins=2;..."] [--out FILE]
+Usage: python benchmarks/save_breakdown.py [--saves 4] [--config "moment_budget=0.1;..."] [--out FILE]
 (needs the `bench` extra: pip install -e '.[bench]')
 
 Trains the character transformer of bench_fault_tolerance.py (440k parameters, AdamW) with the default

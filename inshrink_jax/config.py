@@ -174,9 +174,9 @@ class CompressionConfig:
         other metric's degradation is lower by more than this fraction of `epsilon`.
       quant: the configuration used when `search` is False.
       optimizer: policy for the optimizer's moments (optax `mu`, `nu`, `nu_max`, sgd momentum `trace`):
-        "quantize" (the default: sign kept, log-domain levels (`first_moment_bins` per sign for a first moment,
-        `moment_bins` for a second), exact zeros kept; the
-        first moment of a pruned weight is pruned with it), "drop" (not stored, restored as zeros; an optax step
+        "quantize" (the default: a second moment in log-domain levels (`moment_bins`), a first moment relative
+        to the square root of its second moment as stored, within `moment_budget`; exact zeros kept; the
+        first moment of a pruned weight is pruned with it; moments.py), "drop" (not stored, restored as zeros; an optax step
         counter `count` beside a dropped `nu` is dropped with it, so Adam's bias correction restarts with its
         moments) or "lossless" (bit-exact). Not "drop" by default: with the weights restored exactly, dropping
         Adam's moments at 10 restores of a character transformer ended +2.3% in loss (dropping only `mu`:
@@ -185,10 +185,11 @@ class CompressionConfig:
       moment_bins: log-magnitude levels of a quantized second moment (`nu`; in [2, 127]). 16: a second moment
         scales every update for hundreds of steps; at 8 or 4 levels 1% of a trained transformer's step sizes move
         by 2.3x or 5.1x (benchmarks/results/moment_error.md).
-      first_moment_bins: log-magnitude levels per sign of a quantized first moment (`mu`, `trace`; in [1, 127]).
-        2: a first moment is new at every save (so it costs its full entropy each time) and its error fades
-        within ~1 / (1 - b1) steps; at 10 restores of a character transformer 2 levels did as well as 16 at 30%
-        fewer bytes of the whole checkpoint (benchmarks/results/fidelity_charlm_moments.md).
+      moment_budget: a quantized first moment (`mu`, `trace`) takes, per tensor at every save, the fewest
+        levels (2 to 16) of its ratio to the square root of its second moment whose squared error is at most
+        this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore gives it
+        (in [0, 1]; 0: always 16 levels). Smaller: more levels, more bytes. The error fades within ~1 / (1 - b1) steps of a restore.
+        0.1 (an update off by about 30% in norm, for a few steps): see docs/how-it-works.md for how it was chosen.
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
         before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
         everything else: "lossless"); e.g. ((r"\.nu\b", "quantize"), (r"\.mu\b", "drop")) or
@@ -219,7 +220,7 @@ class CompressionConfig:
     quant: QuantConfig = QuantConfig()
     optimizer: str = "quantize"
     moment_bins: int = 16
-    first_moment_bins: int = 2
+    moment_budget: float = 0.1
     policy_rules: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -233,11 +234,11 @@ class CompressionConfig:
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
                                      ("sigma", 0.0, 1.0, True), ("kmeans_tol", 0.0, math.inf, True),
                                      ("proxy_budget", 0.0, math.inf, True), ("residual_budget", 0.0, 1.0, True),
+                                     ("moment_budget", 0.0, 1.0, True),
                                      ("metric_switch_margin", 0.0, math.inf, True)):
             _real(name, getattr(self, name), lo, hi, closed)
         for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),
                              ("keyframe_every", 1, None), ("search_batch", 1, None), ("moment_bins", 2, 127),
-                             ("first_moment_bins", 1, 127),
                              ("seed", None, None)):
             _integer(name, getattr(self, name), lo, hi)
         for name in ("search", "higher_is_better", "closed_loop"):

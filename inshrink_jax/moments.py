@@ -1,23 +1,41 @@
-"""Optimizer moments, quantized (`CompressionConfig.optimizer = "quantize"`): sign kept, levels in log|m| (jit).
+"""Optimizer moments, quantized (`CompressionConfig.optimizer = "quantize"`) (jit).
 
 Adam's second moment `nu` is non-negative and spans many decades inside one tensor; its first moment `mu` is
-signed and does too. A training step divides one by the square root of the other, so what must survive is the
-*relative* size of each value, its sign, and its zeros: a `nu` that comes back 0 (or tiny) where `mu` is not
-makes a huge update. So a moment is quantized in the log domain, per tensor:
+signed and does too. A training step divides one by the square root of the other: the update is
+u = mu / sqrt(nu) (up to bias corrections and eps). So the two are coded differently.
 
-    code 0            exact zero: a zero moment, or the first moment of a weight pruned at this save
+**Second moments** (`encode_on_device`): what must survive is the *relative* size of each value and its zeros: a
+`nu` that comes back 0 (or tiny) where `mu` is not makes a huge update. So a second moment is quantized in the
+log domain, per tensor:
+
+    code 0            exact zero
     codes 1 .. K      negative values, level K-1 (largest |m|) first: ascending in value
     codes K+1 .. 2K   positive values, level 0 (smallest |m|) first
     code 2K + 1       a non-finite value, stored exactly (the weights' "protected" code)
 
-K levels (`CompressionConfig.first_moment_bins` for a first moment, `moment_bins` for a second), shared by both signs, are the centres of weighted k-means
-(kmeans.py) on log|m| over the log-bucket histogram of |m| (sketch.py: its buckets are uniform in log|m|, so it
+K levels (`CompressionConfig.moment_bins`), shared by both signs (a second moment of some optimizers may be
+signed), are the centres of weighted k-means (kmeans.py) on log|m| over the log-bucket histogram of |m| (sketch.py: its buckets are uniform in log|m|, so it
 *is* the log-domain histogram), weighted by count only. A value takes the level nearest in log|m|, so its
 relative error is bounded by the gap between two neighbouring levels, never by the tensor's range.
 
 The output has the shape of the weights' encoder output (quantize.DeviceCodes with a value table of 2K
 entries instead of K centres), so deltas against the previous save, entropy coding, storage and decoding on
 restore are the ones of the weights: a restore maps codes through the table, bit-identical to `dequantize`.
+
+**First moments** (`encode_first_on_device`): what the update uses is the ratio r = mu / sqrt(nu_hat), with
+nu_hat the second moment *as this save stores it*; so that ratio is what is quantized, and a restore gives
+mu' = r' sqrt(nu_hat). Then the first update after a restore is off by exactly the ratio's quantization error,
+whatever nu's own error (mu' / sqrt(nu_hat) = r'), and a mu that is tiny where nu is tiny too (a rare token's
+row, an input that is seldom on) is never blown up to a level of the tensor's larger values: coded on its own in
+the log domain, 2 levels a sign put 17x the update's norm into the update of a fine-tuned LSTM
+(benchmarks/results/moment_error_lstm.md). A first moment without a second moment of its shape beside it (SGD
+momentum's `trace`, Lion's `mu`) is coded the same way with sqrt(nu_hat) = 1: its update is linear in it.
+The ratio takes K levels from weighted k-means on its (signed) histogram, counts only: the levels that minimise
+the squared update error. K is chosen per tensor at every save, on the device, as the smallest of `FIRST_LADDER`
+whose squared update error, measured on the histogram, is at most `CompressionConfig.moment_budget` of the
+update's: the same bound on every model, with no data needed. Codes are the weights' (quantize.py): 0 an exact
+zero (a zero moment, or the first moment of a weight pruned at this save), 1..K the levels ascending, K + 1 a
+value stored exactly (non-finite, or where nu_hat is 0 or not finite).
 """
 
 from __future__ import annotations
@@ -33,10 +51,14 @@ from inshrink_jax import kmeans, sketch
 from inshrink_jax.config import CompressionConfig
 from inshrink_jax.quantize import PRUNED, DeviceCodes, protected_code, seed_key
 
-# Which leaves are moments, and which are first moments, is policy.py's decision. First moments follow their
-# weight's pruning; second moments never do: a weight pruned to 0 with mu = 0 and its nu kept gets a small first
+# Which leaves are moments, and which are first moments, is policy.py's decision; which second moment a first
+# moment is coded relative to, save.py's. First moments follow their weight's pruning; second moments never do: a weight pruned to 0 with mu = 0 and its nu kept gets a small first
 # update (mu / sqrt(nu) starts at (1 - b1) g / sqrt(nu)), while mu = nu = 0 would make Adam's next updates
 # (1 - b1^t) / sqrt(1 - b2^t) ~ 3-6.5 times the learning rate on those weights.
+
+
+# Level counts a first moment may take, fewest first (encode_first_on_device picks one per tensor and save).
+FIRST_LADDER = (2, 3, 4, 6, 8, 12, 16)
 
 
 def table_size(bins: int) -> int:
@@ -45,21 +67,19 @@ def table_size(bins: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("bins", "spec", "iters", "tol", "restarts", "dtypes"))
-def _encode_moments(ms, weight_codes, key, *, bins, spec, iters, tol, restarts, dtypes):
+def _encode_moments(ms, key, *, bins, spec, iters, tol, restarts, dtypes):
     reps = spec.representatives()
     positive = reps > 0
     log_reps = jnp.asarray(np.log(np.where(positive, reps, 1.0)).astype(np.float32))
     tiny = np.float32(np.finfo(np.float32).tiny)
     prepared, hists = [], []
-    for m, wc in zip(ms, weight_codes):
+    for m in ms:
         m32 = m.astype(jnp.float32)
         finite = jnp.isfinite(m32)
         # Sign and zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal
         # moment must keep its sign (and not become 0).
         bits = jax.lax.bitcast_convert_type(m32, jnp.int32)
         keep = finite & ((bits & 0x7FFFFFFF) != 0)
-        if wc is not None:
-            keep = keep & (wc != PRUNED)
         mag = jnp.abs(m32)
         prepared.append((m, m32, finite, keep, bits < 0, mag))
         hists.append(sketch.histogram(mag, spec, keep))
@@ -84,36 +104,103 @@ def _encode_moments(ms, weight_codes, key, *, bins, spec, iters, tol, restarts, 
     return codes, tables, in_place
 
 
-def encode_on_device(ms: Sequence[jax.Array], weight_codes: Sequence[jax.Array | None], cfg: CompressionConfig,
-                     key: jax.Array | None = None, first: Sequence[bool] | None = None) -> list[DeviceCodes]:
-    """Quantize optimizer moments (see the module docstring), dispatched and not waited for.
+def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
+                     key: jax.Array | None = None) -> list[DeviceCodes]:
+    """Quantize second moments in the log domain (see the module docstring), dispatched and not waited for.
 
     Args:
-      ms: float moment tensors (float32, bfloat16, float16), any shape and sharding.
-      weight_codes: for each moment, the codes of its weight at this save (its zeros where the weight was
-        pruned are zeros of the moment), or None.
+      ms: non-negative float tensors (float32, bfloat16, float16), any shape and sharding.
       cfg: `moment_bins`, and the k-means parameters.
       key: PRNG key for k-means++; defaults to a fold of PRNGKey(cfg.seed).
-      first: for each moment, whether it is a first moment (K = `cfg.first_moment_bins`; otherwise
-        `cfg.moment_bins`); None: all second moments.
 
     Returns:
       One `DeviceCodes` per moment whose `centres` is the 2K-entry value table and whose `bins` is 2K.
     """
-    first = [False] * len(ms) if first is None else list(first)
-    if not len(ms) == len(weight_codes) == len(first):
-        raise ValueError("moments.encode_on_device needs one weight-codes array (or None) and one first-moment "
-                         "flag per moment")
+    if not ms:
+        return []
     key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
-    out: list[DeviceCodes | None] = [None] * len(ms)
-    for group, bins in ((False, cfg.moment_bins), (True, cfg.first_moment_bins)):
-        idx = [i for i, f in enumerate(first) if f == group]
-        if not idx:
-            continue
-        codes, tables, in_place = _encode_moments(
-            [ms[i] for i in idx], [weight_codes[i] for i in idx], jax.random.fold_in(key, int(group)), bins=bins,
-            spec=sketch.SketchSpec(cfg.alpha), iters=cfg.kmeans_iters, tol=cfg.kmeans_tol,
-            restarts=cfg.kmeans_restarts, dtypes=tuple(jnp.dtype(ms[i].dtype) for i in idx))
-        for i, c, t, v in zip(idx, codes, tables, in_place):
-            out[i] = DeviceCodes(c, t, v, table_size(bins))
-    return out
+    codes, tables, in_place = _encode_moments(
+        list(ms), key, bins=cfg.moment_bins, spec=sketch.SketchSpec(cfg.alpha),
+        iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
+        dtypes=tuple(jnp.dtype(m.dtype) for m in ms))
+    return [DeviceCodes(c, t, v, table_size(cfg.moment_bins)) for c, t, v in zip(codes, tables, in_place)]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "iters", "tol", "restarts"))
+def _encode_first(ms, scales, weight_codes, key, budget, *, spec, iters, tol, restarts):
+    ladder = jnp.asarray(FIRST_LADDER, jnp.int32)
+    capacity = FIRST_LADDER[-1]
+    reps = jnp.asarray(spec.representatives())
+    prepared, hists = [], []
+    for m, s, wc in zip(ms, scales, weight_codes):
+        m32 = m.astype(jnp.float32)
+        # Zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal moment
+        # must not become 0.
+        zero = (jax.lax.bitcast_convert_type(m32, jnp.int32) & 0x7FFFFFFF) == 0
+        if wc is not None:
+            zero = zero | (wc == PRUNED)
+        if s is None:
+            r, exact = m32, ~jnp.isfinite(m32)
+        else:
+            root = jnp.sqrt(s.astype(jnp.float32))
+            r = m32 / jnp.where(root > 0, root, 1.0)
+            exact = ~(jnp.isfinite(m32) & jnp.isfinite(root) & (root > 0) & jnp.isfinite(r))
+        exact = exact & ~zero
+        keep = ~zero & ~exact
+        prepared.append((m, jnp.where(keep, r, 0.0), zero, exact))
+        hists.append(sketch.histogram(r, spec, keep))
+    counts = jnp.stack(hists).astype(jnp.float32)
+    total = jnp.sum(jnp.where(counts > 0, counts * reps * reps, 0.0), axis=1)
+    keys = jax.random.split(key, len(ms))
+
+    def levels(h, key):
+        """Centres of every rung of the ladder for one histogram, and their squared errors."""
+        cs = jax.vmap(lambda k: kmeans.histogram_kmeans(h, spec, k, 1.0, key, iters=iters, tol=tol,
+                                                        restarts=restarts, capacity=capacity))(ladder)
+        return cs, jax.vmap(lambda c: kmeans.loss(reps, h, c))(cs)
+
+    centres, losses = jax.vmap(levels)(counts, keys)
+    # The first rung whose squared error is within the budget (the last if none is): errors fall with K.
+    within = losses <= budget * total[:, None]
+    choice = jnp.where(jnp.any(within, axis=1), jnp.argmax(within, axis=1), len(FIRST_LADDER) - 1)
+    codes, tables, in_place, bins = [], [], [], []
+    for (m, r, zero, exact), cs, c in zip(prepared, centres, choice):
+        k = ladder[c]
+        cen = cs[c]
+        code = jnp.where(exact, k + 1, jnp.where(zero, PRUNED, 1 + kmeans.assign(r, cen)))
+        codes.append(code.astype(jnp.uint8))
+        tables.append(jnp.where(jnp.arange(capacity) < k, cen, 0.0))
+        in_place.append(jnp.where(exact, m, jnp.zeros((), m.dtype)))
+        bins.append(k)
+    return codes, tables, in_place, bins
+
+
+def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array | None],
+                           weight_codes: Sequence[jax.Array | None], cfg: CompressionConfig,
+                           key: jax.Array | None = None) -> list[DeviceCodes]:
+    """Quantize first moments relative to their second moments (see the module docstring), dispatched and not
+    waited for.
+
+    Args:
+      ms: float first-moment tensors (float32, bfloat16, float16), any shape and sharding.
+      scales: for each, the decoded second moment of its shape and sharding it is coded relative to (what a
+        restore gives back for it), or None (coded as it is).
+      weight_codes: for each, the codes of its weight at this save (its zeros where the weight was pruned are
+        zeros of the moment), or None.
+      cfg: `moment_budget`, and the k-means parameters.
+      key: PRNG key for k-means++; defaults to a fold of PRNGKey(cfg.seed).
+
+    Returns:
+      One `DeviceCodes` per moment: `centres` the ladder's largest count of slots (the first `bins` used),
+      `bins` the level count chosen (a device scalar), `scale` the given scale.
+    """
+    if not len(ms) == len(scales) == len(weight_codes):
+        raise ValueError("moments.encode_first_on_device needs one scale (or None) and one weight-codes array (or "
+                         "None) per moment")
+    if not ms:
+        return []
+    key = seed_key(cfg.seed, 0x6D6F6E) if key is None else key
+    codes, tables, in_place, bins = _encode_first(
+        list(ms), list(scales), list(weight_codes), key, np.float32(cfg.moment_budget),
+        spec=sketch.SketchSpec(cfg.alpha), iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts)
+    return [DeviceCodes(c, t, v, b, scale=s) for c, t, v, b, s in zip(codes, tables, in_place, bins, scales)]

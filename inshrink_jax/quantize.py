@@ -150,6 +150,14 @@ def plus_offset(r: jax.Array, offset: jax.Array, dtype) -> jax.Array:
     return (r + _finite_offset(offset)).astype(dtype)
 
 
+def times_scale(r: jax.Array, exact: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """The tensor a ratio `r` (float32) decodes to: r * sqrt(scale), in `dtype`, except where `exact` (stored
+    values, taken as they are). `scale` is the decoded second moment a first moment is coded relative to
+    (moments.encode_first_on_device); one formula for the save's and the restore's decode, so they agree
+    bit for bit."""
+    return jnp.where(exact, r, r * jnp.sqrt(scale.astype(jnp.float32))).astype(dtype)
+
+
 @functools.partial(
     jax.jit, static_argnames=("prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity", "out_dtypes")
 )
@@ -228,18 +236,21 @@ def _uniform_cell(x, width, bins):
     return (jnp.clip(jnp.round(x / width), -m, bins - 1 - m) + m).astype(jnp.int32)
 
 
-def _dequantize_one(codes, centres, protected_in_place, bins, offset, dtype):
-    work = dtype if offset is None else jnp.float32
+def _dequantize_one(codes, centres, protected_in_place, bins, offset, scale, dtype):
+    work = dtype if offset is None and scale is None else jnp.float32
     table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
     values = table[jnp.minimum(codes, centres.shape[0] + 1)]
-    r = jnp.where(codes == bins + 1, protected_in_place.astype(work), values.astype(work))
+    exact = codes == bins + 1
+    r = jnp.where(exact, protected_in_place.astype(work), values.astype(work))
+    if scale is not None:
+        return times_scale(r, exact, scale, dtype)
     return r if offset is None else plus_offset(r, offset, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dtypes",))
-def _dequantize(codes, centres, protected_in_place, bins, offsets, *, dtypes):
+def _dequantize(codes, centres, protected_in_place, bins, offsets, scales, *, dtypes):
     return [_dequantize_one(*args, dtype)
-            for *args, dtype in zip(codes, centres, protected_in_place, bins, offsets, dtypes)]
+            for *args, dtype in zip(codes, centres, protected_in_place, bins, offsets, scales, dtypes)]
 
 
 def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.Array]:
@@ -248,8 +259,8 @@ def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.
     if not devs:
         return []
     return _dequantize([d.codes for d in devs], [d.centres for d in devs], [d.protected_in_place for d in devs],
-                       np.asarray([d.bins for d in devs], np.int32), [d.offset for d in devs],
-                       dtypes=tuple(jnp.dtype(t) for t in dtypes))
+                       jnp.stack([jnp.asarray(d.bins, jnp.int32) for d in devs]), [d.offset for d in devs],
+                       [d.scale for d in devs], dtypes=tuple(jnp.dtype(t) for t in dtypes))
 
 
 def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:
@@ -261,13 +272,16 @@ class DeviceCodes(NamedTuple):
     """Encoder output still on the device(s), every array with the input's sharding except the replicated
     centres: codes, centres (the first `bins` of its slots are used), and the protected values in place
     (storage dtype, 0 where not protected); `offset` is what the codes encode the change against (None: the
-    tensor itself is encoded)."""
+    tensor itself is encoded); `scale`, the decoded second moment whose square root the levels are relative to
+    (a first moment: moments.encode_first_on_device), else None. `bins` is an int, or a device scalar where
+    the encoder chose it on the device (`int(bins)` waits for it)."""
 
     codes: jax.Array
     centres: jax.Array
     protected_in_place: jax.Array
-    bins: int
+    bins: int | jax.Array
     offset: jax.Array | None = None
+    scale: jax.Array | None = None
 
     def dequantize(self, dtype) -> jax.Array:
         """What a restore gives back, computed on the device(s) with the codes' sharding: pruned -> 0,
@@ -338,6 +352,7 @@ def to_host(codes, centres, protected_in_place, bins: int, dtype) -> EncodedTens
     """One encoded tensor, or one shard of it, as host arrays: the arguments are the device arrays (or shards'
     data) of a `DeviceCodes` and its bins; `dtype` is the leaf's dtype. Blocks until they are computed and
     copied."""
+    bins = int(bins)
     host_codes = np.asarray(codes)
     values = np.asarray(protected_in_place).reshape(-1)[protected_positions(host_codes, bins)]
     return EncodedTensor(host_codes, np.asarray(centres)[:bins], values, jnp.dtype(dtype).name)
@@ -357,12 +372,15 @@ def encode_tensors(
 
 
 _plus_offset = jax.jit(plus_offset, static_argnames=("dtype",))
+_times_scale = jax.jit(times_scale, static_argnames=("dtype",))
 
 
-def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None) -> jax.Array:
+def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
+           scale: jax.Array | None = None) -> jax.Array:
     """The dequantized tensor (pruned -> 0, quantized -> its centre, protected -> its stored value), in the
     original dtype, on `device` (default device if None); with `offset` (an array on that device), the codes
-    are a residual and the result is offset + the decoded residual (`plus_offset`)."""
+    are a residual and the result is offset + the decoded residual (`plus_offset`); with `scale` (an array on
+    that device), the centres are ratios and the result is centre * sqrt(scale) (`times_scale`)."""
     pos = protected_positions(enc.codes, enc.bins)
     if pos.size != enc.protected.size:
         raise ValueError(
@@ -374,10 +392,14 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None) -> 
     # The table lookup and the protected values are exact (no arithmetic): done on the host, so a restore
     # compiles nothing per leaf shape or level count; only the closed-loop sum runs on the device, in the jitted
     # formula the save computed its reconstruction with (plus_offset), so the result is bit-identical to it.
-    work = np.dtype(jnp.dtype(enc.dtype)) if offset is None else np.dtype(np.float32)
+    work = np.dtype(jnp.dtype(enc.dtype)) if offset is None and scale is None else np.dtype(np.float32)
     table = np.concatenate([np.zeros(1, enc.centres.dtype), enc.centres, np.zeros(1, enc.centres.dtype)]).astype(work)
     out = table[enc.codes]
     out.reshape(-1)[pos] = enc.protected.astype(work)
+    if scale is not None:
+        exact = enc.codes == protected_code(enc.bins)
+        return _times_scale(jax.device_put(out, device), jax.device_put(exact, device), scale,
+                            dtype=jnp.dtype(enc.dtype))
     if offset is None:
         return jax.device_put(out, device)
     return _plus_offset(jax.device_put(out, device), offset, dtype=jnp.dtype(enc.dtype))

@@ -109,6 +109,8 @@ class Leaf:
         chain's links (each link's shards name the link before it, `Segment.prior`); a leaf of kind "array"
         with this coding is a chain's exact root. None: the leaf is decoded on its own (open-loop codes, their
         delta chain, or lossless).
+      scale_leaf: of a quantized first moment coded relative to a second moment (moments.encode_first_on_device):
+        that leaf's key path; its values decode to centre * sqrt(that leaf as restored).
     """
 
     path: list
@@ -129,6 +131,7 @@ class Leaf:
     base_leaf: str | None = None
     coding: str | None = None
     mesh: dict | None = None
+    scale_leaf: str | None = None
 
     def to_json(self) -> dict:
         d = _drop_none(dataclasses.asdict(self))
@@ -151,6 +154,9 @@ class Leaf:
         _check(leaf.coding in (None, CLOSED_LOOP) and (leaf.coding is None or (
             leaf.kind in ("quantized", "array") and leaf.method in (None, "weights") and leaf.base_leaf is None)),
                f"leaf {leaf.keystr}: invalid coding {str(leaf.coding)[:40]!r}")
+        _check(leaf.scale_leaf is None or (isinstance(leaf.scale_leaf, str) and leaf.kind == "quantized"
+                                           and leaf.method == "moments" and leaf.scale_leaf != leaf.keystr),
+               f"leaf {leaf.keystr}: invalid scale_leaf {str(leaf.scale_leaf)[:80]!r}")
         _check(leaf.mesh is None or (leaf.kind != "scalar" and _is_mesh(leaf.mesh, len(leaf.shape))),
                f"leaf {leaf.keystr}: invalid mesh {str(leaf.mesh)[:80]!r}")
         if leaf.kind == "quantized":

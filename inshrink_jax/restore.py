@@ -375,11 +375,15 @@ def _quantized(reader, meta: records.Leaf, target, what: str):
 
     sharding = target_sharding(target)
     offsets = _base_offsets(reader, meta, sharding, what) if meta.base_leaf is not None else None
+    scales = _scales(reader, meta, sharding, what) if meta.scale_leaf is not None else None
+
+    def decode(box, dev):
+        return quantize.decode(encoded(box), dev, None if offsets is None else offsets[dev],
+                               None if scales is None else scales[dev])
+
     if _is_numpy(meta, target):
-        full = [[0, n] for n in shape]
-        return np.asarray(quantize.decode(encoded(full), None, None if offsets is None else offsets[None]))
-    return _make_array(shape, sharding, lambda box, dev: quantize.decode(
-        encoded(box), dev, None if offsets is None else offsets[dev]), what)
+        return np.asarray(decode([[0, n] for n in shape], None))
+    return _make_array(shape, sharding, decode, what)
 
 
 def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
@@ -432,6 +436,26 @@ def _link_codes(obj, leaf: str, bins: int, what: str) -> Callable:
     return codes_of
 
 
+def _scales(reader: store.Reader, meta: records.Leaf, sharding, what: str) -> dict:
+    """The second moment a first moment is coded relative to, restored with `sharding`: device -> its shard
+    (None -> the shard on the default device, for a NumPy target)."""
+    other = reader.leaves.get(meta.scale_leaf)
+    if other is None or other.shape != meta.shape or other.kind not in ("quantized", "array") or \
+            other.scale_leaf is not None:
+        raise store.CheckpointCorruptError(
+            f"{what}: coded relative to the leaf {meta.scale_leaf}, which this step does not hold as a stored "
+            f"second moment of shape {tuple(meta.shape)}")
+    return _shards_of(restore_leaf(reader, other, jax.ShapeDtypeStruct(tuple(meta.shape), other.dtype,
+                                                                       sharding=sharding)))
+
+
+def _shards_of(values: jax.Array) -> dict:
+    """device -> the array's shard there; None -> the shard on the default device."""
+    out = {s.device: s.data for s in values.addressable_shards}
+    out[None] = out.get(jax.devices()[0])
+    return out
+
+
 def _base_offsets(reader: store.Reader, meta: records.Leaf, sharding, what: str) -> dict:
     """The base checkpoint's values of a residual leaf, restored with `sharding`: device -> its shard (None ->
     the shard on the default device, for a NumPy target)."""
@@ -441,11 +465,8 @@ def _base_offsets(reader: store.Reader, meta: records.Leaf, sharding, what: str)
         raise store.CheckpointCorruptError(
             f"{what}: stored against the base checkpoint's leaf {meta.base_leaf}, which the base "
             f"{base.directory} does not hold with shape {tuple(meta.shape)}")
-    values = restore_leaf(base, base_meta, jax.ShapeDtypeStruct(tuple(meta.shape), base_meta.dtype,
-                                                                sharding=sharding))
-    out = {s.device: s.data for s in values.addressable_shards}
-    out[None] = out.get(jax.devices()[0])
-    return out
+    return _shards_of(restore_leaf(base, base_meta, jax.ShapeDtypeStruct(tuple(meta.shape), base_meta.dtype,
+                                                                     sharding=sharding)))
 
 
 _RESTORERS = {"dropped": _dropped, "array": _array, "prng_key": _prng_key, "quantized": _quantized}

@@ -96,6 +96,8 @@ class Plan:
       weights, moments: indices of the leaves quantized by the weights' method and by the moments' method.
       owners: for each moment, the position in `weights` of the weight it mirrors, or None.
       first: for each moment, whether it is a first moment (it then takes its weight's pruning).
+      scales: for each moment, the leaf index of the second moment a first moment is coded relative to, or None
+        (moments.encode_first_on_device).
       grads: for each weight, its gradient EMA or None.
       base_of: weight index -> the base checkpoint's leaf it is stored against.
       empty: the state's empty containers (`records.empty_containers`).
@@ -109,6 +111,7 @@ class Plan:
     moments: list[int]
     owners: list[int | None]
     first: list[bool]
+    scales: list[int | None]
     grads: list
     base_of: dict[int, str]
     empty: list
@@ -121,6 +124,8 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
     policies = policy.classify(state, cfg, labels)
     recs = [leaf_record(path, x, pol, cfg) for (path, x), pol in zip(flat, policies)]
     flat = [(path, auto_axes(x)) for path, x in flat]
+    scales = _scales(flat, recs, policies)
+    recs = [r if j is None else dataclasses.replace(r, scale_leaf=recs[j].keystr) for r, j in zip(recs, scales)]
     grads = None if grads is None else jax.tree.map(auto_axes, grads)
     weights = [i for i, r in enumerate(recs) if r.method == "weights"]
     moment_idx = [i for i, r in enumerate(recs) if r.method == "moments"]
@@ -130,7 +135,7 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
         i: b for i in weights if (b := base.match(recs[i].path, recs[i].shape)) is not None}
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
-                [_mirrored(flat[i][0], by_path) for i in weights], base_of, records.empty_containers(state),
+                [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of, records.empty_containers(state),
                 grads is not None)
 
 
@@ -172,6 +177,18 @@ def _owners(flat: list, weights: list[int], moment_idx: list[int], policies) -> 
                 if tuple(flat[weights[k]][1].shape) == tuple(flat[i][1].shape)] if mirror else []
         out.append(hits[0] if len(hits) == 1 else None)
     return out
+
+
+def _scales(flat: list, recs: list[records.Leaf], policies) -> list[int | None]:
+    """For each leaf, the index of the second moment a quantized first moment is coded relative to: the first
+    stored (quantized or lossless) second moment of the same optimizer state, mirroring the same parameter, of
+    the same shape; None for every other leaf and for a first moment without one."""
+    seconds: dict = {}
+    for j, (pol, rec) in enumerate(zip(policies, recs)):
+        if pol.moment == policy.SECOND and rec.kind in ("quantized", "array") and rec.part == "optimizer":
+            seconds.setdefault((pol.group, pol.mirror, tuple(rec.shape)), j)
+    return [seconds.get((pol.group, pol.mirror, tuple(rec.shape)))
+            if pol.moment == policy.FIRST and rec.method == "moments" else None for pol, rec in zip(policies, recs)]
 
 
 def mesh_of(x) -> dict | None:
@@ -307,10 +324,21 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
     # its previous value, not a zero).
-    prune = [devs[k].codes if k is not None and first and devs[k].offset is None else None
-             for k, first in zip(p.owners if weights else [None] * len(p.moments), p.first)]
-    devs = list(devs) + moments.encode_on_device([p.leaves[i] for i in p.moments], prune, cfg, first=p.first)
-    quantized = list(weights) + list(p.moments)
+    prune = [devs[k].codes if k is not None and devs[k].offset is None else None
+             for k in (p.owners if weights else [None] * len(p.moments))]
+    seconds = [k for k, f in enumerate(p.first) if not f]
+    firsts = [k for k, f in enumerate(p.first) if f]
+    second_devs = moments.encode_on_device([p.leaves[p.moments[k]] for k in seconds], cfg)
+    # A first moment is coded relative to its second moment as a restore gives it back.
+    used = [k for k in seconds if p.moments[k] in {p.scales[f] for f in firsts}]
+    restored = dict(zip([p.moments[k] for k in used], quantize.dequantize_all(
+        [second_devs[seconds.index(k)] for k in used], [p.leaves[p.moments[k]].dtype for k in used])))
+    first_devs = moments.encode_first_on_device(
+        [p.leaves[p.moments[k]] for k in firsts],
+        [None if (j := p.scales[k]) is None else restored.get(j, p.leaves[j]) for k in firsts],
+        [prune[k] for k in firsts], cfg)
+    devs = list(devs) + second_devs + first_devs
+    quantized = list(weights) + [p.moments[k] for k in seconds + firsts]
     shards = _device_shards(quantized, [p.leaves[i] for i in quantized], devs)
     shards += _lossless_shards(p.leaves, recs, primary)
     manifest = {"config": config_json(cfg), "quant": None if quant is None else dataclasses.asdict(quant),
@@ -452,8 +480,8 @@ def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manif
     """The step's manifest, with the centres of the quantized leaves (replicated: every process has them)."""
     recs = list(d.records)
     for i, dev in zip(d.quantized, d.devs):
-        recs[i] = dataclasses.replace(recs[i], bins=dev.bins,
-                                      centres=records.float32_list(np.asarray(dev.centres)[:dev.bins]))
+        bins = int(dev.bins)
+        recs[i] = dataclasses.replace(recs[i], bins=bins, centres=records.float32_list(np.asarray(dev.centres)[:bins]))
     raw = {part: 0 for part in records.PARTS}
     for r in recs:
         if r.shape is not None:

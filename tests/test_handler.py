@@ -40,12 +40,20 @@ def assert_on_grid(restored, original, meta):
     assert np.all(on_grid | near)
 
 
-def assert_moment_on_table(restored, original, meta):
-    """A quantized moment decodes to an entry of its value table with the original's sign, 0 where it was 0."""
+def assert_moment_on_table(restored, original, meta, scale=None):
+    """A quantized moment decodes to an entry of its value table, times the square root of `scale` (the second
+    moment as restored) for a first moment coded relative to it; 0 where it was 0. A second moment keeps its
+    sign."""
     r, o = np.asarray(restored, np.float64), np.asarray(original, np.float64)
     table = np.asarray(meta.centres, np.float32).astype(np.float64)
-    assert np.all((r == 0) | np.isin(r, table))
-    assert np.all(r[o == 0] == 0) and np.all((np.sign(r) == np.sign(o)) | (r == 0))
+    s = np.ones_like(r) if scale is None else np.sqrt(np.asarray(scale, np.float64))
+    nz = r != 0
+    ratio = r[nz] / s[nz]
+    assert np.all(np.min(np.abs(ratio[:, None] - table[None, :]), axis=1) <= 1e-6 * np.abs(ratio))
+    assert np.all(r[o == 0] == 0)
+    assert (meta.scale_leaf is None) == (scale is None)
+    if meta.bins == 2 * ij.CompressionConfig().moment_bins:  # a second moment's table: signs kept
+        assert np.all((np.sign(r) == np.sign(o)) | (r == 0))
 
 
 def test_train_state_round_trip_through_async_manager(tmp_path, trained):
@@ -60,14 +68,15 @@ def test_train_state_round_trip_through_async_manager(tmp_path, trained):
     reader = ij.store.Reader(tmp_path / "3" / "default")
     leaves = reader.leaves
     kinds = []
+    by_key = {jax.tree_util.keystr(p): a for p, a in jax.tree_util.tree_flatten_with_path(r)[0]}
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(r)[0], jax.tree.leaves(state.replace(step=3))):
         key = jax.tree_util.keystr(path)
         kinds.append(leaves[key].kind)
         if kinds[-1] == "quantized" and leaves[key].method == "weights":
             assert_on_grid(a, b, leaves[key])
-        elif leaves[key].method == "moments":  # the default optimizer policy: log-domain levels, signs kept
+        elif leaves[key].method == "moments":  # the default optimizer policy: nu in log levels, mu relative to it
             assert ".mu" in key or ".nu" in key
-            assert_moment_on_table(a, b, leaves[key])
+            assert_moment_on_table(a, b, leaves[key], by_key[key.replace(".mu", ".nu")] if ".mu" in key else None)
         else:  # biases, small kernels, the train step: bit-exact
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Conv_1, Dense_0 and Dense_1 kernels and the mu and nu of each; the mu and nu of the weights stored exactly
@@ -130,9 +139,13 @@ def test_sharded_save_restores_into_another_layout(tmp_path):
     mesh_b = jax.sharding.Mesh(devs.reshape(2, 2), ("x", "y"))
     P = jax.sharding.PartitionSpec
     rng = np.random.default_rng(1)
+    nu = (rng.normal(size=(128, 64)) * 10.0 ** rng.uniform(-6, 0, size=(128, 64))).astype(np.float32) ** 2
     tree = {"params": {"w": rng.normal(size=(128, 64)).astype(np.float32)},
-            "opt": optax.TraceState(trace=rng.normal(size=(128, 64)).astype(np.float32))}
-    sharded = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh_a, P("x", None))), tree)
+            "opt": optax.TraceState(trace=rng.normal(size=(128, 64)).astype(np.float32)),
+            "adam": optax.ScaleByAdamState(count=np.int32(3), mu=(rng.normal(size=nu.shape) * np.sqrt(nu)).astype(
+                np.float32), nu=nu)}
+    sharded = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh_a, P("x", None)))
+                           if x.ndim else x, tree)
     mngr = manager(tmp_path, QUANTIZED_MOMENTS)
     mngr.save(0, args=ij.InshrinkSave(sharded))
     mngr.wait_until_finished()
@@ -140,12 +153,14 @@ def test_sharded_save_restores_into_another_layout(tmp_path):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(devs[0])), tree)))
     target_sharding = jax.sharding.NamedSharding(mesh_b, P("y", "x"))
     other = mngr.restore(0, args=ij.InshrinkRestore(jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target_sharding), tree)))
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target_sharding) if x.ndim else x, tree)))
     for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(other)):
-        assert b.sharding == target_sharding
+        assert not np.ndim(b) or b.sharding == target_sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     reader = ij.store.Reader(tmp_path / "0" / "default")
     assert_moment_on_table(other["opt"].trace, tree["opt"].trace, reader.leaves["['opt'].trace"])
+    # mu decodes relative to nu as restored in the target's layout, the same bits as in one device's
+    assert_moment_on_table(other["adam"].mu, tree["adam"].mu, reader.leaves["['adam'].mu"], other["adam"].nu)
     # four saved shards of w and of the moment, one per device
     assert len(reader.shards["['params']['w']"]) == len(reader.shards["['opt'].trace"]) == 4
 
@@ -161,14 +176,15 @@ def test_overwriting_state_after_save_does_not_change_checkpoint(tmp_path):
     tree = step(tree)
     mngr.wait_until_finished()
     r = mngr.restore(0)
-    mu = np.asarray(r["opt"]["trace"])  # the donated buffers hold -7: every restored sign would be negative
-    assert np.all(np.sign(mu) == np.sign(expected["opt"].trace))
-    # and each is on the one of its sign's 2 levels (first_moment_bins) nearest to the saved value in log|m|
-    levels = np.unique(np.abs(mu))
-    saved = np.log(np.abs(expected["opt"].trace))
-    assert levels.size == 2
-    nearest = np.min(np.abs(saved[..., None] - np.log(levels)), axis=-1)
-    np.testing.assert_allclose(np.abs(np.log(np.abs(mu)) - saved), nearest, atol=1e-5)
+    # the donated buffers hold -7: a moment read from them would be -7 everywhere. Each value is on the level
+    # nearest to the saved one (a momentum without a second moment: levels of its own values)
+    mu = np.asarray(r["opt"]["trace"])
+    saved = expected["opt"].trace
+    levels = np.unique(mu)
+    assert 2 <= levels.size <= 16
+    nearest = np.min(np.abs(saved[..., None] - levels), axis=-1)
+    np.testing.assert_allclose(np.abs(mu - saved), nearest, atol=1e-6)
+    assert ((mu - saved) ** 2).sum() <= ij.CompressionConfig().moment_budget * 1.1 * (saved ** 2).sum()
     assert np.max(np.abs(np.asarray(r["params"]["w"]) - expected["params"]["w"])) < 1.0
 
 
