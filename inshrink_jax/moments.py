@@ -126,53 +126,51 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
     return [DeviceCodes(c, t, v, table_size(cfg.moment_bins)) for c, t, v in zip(codes, tables, in_place)]
 
 
+# A first moment is encoded in three jitted steps, so compile time does not grow with the number of tensors:
+# its ratio and histogram (compiled per shape), the ladder's k-means on that histogram (whose shape is the sketch's:
+# compiled once), its codes (per shape).
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _ratio(m, s, wc, *, spec):
+    """(ratio, 0 where not quantized; exact zeros; values stored exactly; the ratio's histogram) of a first
+    moment `m` relative to sqrt(`s`) (None: 1), with the codes `wc` of its weight (None: not pruned)."""
+    m32 = m.astype(jnp.float32)
+    # Zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal moment must
+    # not become 0.
+    zero = (jax.lax.bitcast_convert_type(m32, jnp.int32) & 0x7FFFFFFF) == 0
+    if wc is not None:
+        zero = zero | (wc == PRUNED)
+    if s is None:
+        r, exact = m32, ~jnp.isfinite(m32)
+    else:
+        root = jnp.sqrt(s.astype(jnp.float32))
+        r = m32 / jnp.where(root > 0, root, 1.0)
+        exact = ~(jnp.isfinite(m32) & jnp.isfinite(root) & (root > 0) & jnp.isfinite(r))
+    exact = exact & ~zero
+    keep = ~zero & ~exact
+    return jnp.where(keep, r, 0.0), zero, exact, sketch.histogram(r, spec, keep)
+
+
 @functools.partial(jax.jit, static_argnames=("spec", "iters", "tol", "restarts"))
-def _encode_first(ms, scales, weight_codes, key, budget, *, spec, iters, tol, restarts):
+def _ladder(hist, keys, t, budget, *, spec, iters, tol, restarts):
+    """(centres in `FIRST_LADDER[-1]` slots, level count) of the fewest rung of the ladder whose squared error on
+    the histogram is at most `budget` of the sum of squares (the last rung if none is: errors fall with K)."""
     ladder = jnp.asarray(FIRST_LADDER, jnp.int32)
-    capacity = FIRST_LADDER[-1]
     reps = jnp.asarray(spec.representatives())
-    prepared, hists = [], []
-    for m, s, wc in zip(ms, scales, weight_codes):
-        m32 = m.astype(jnp.float32)
-        # Zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal moment
-        # must not become 0.
-        zero = (jax.lax.bitcast_convert_type(m32, jnp.int32) & 0x7FFFFFFF) == 0
-        if wc is not None:
-            zero = zero | (wc == PRUNED)
-        if s is None:
-            r, exact = m32, ~jnp.isfinite(m32)
-        else:
-            root = jnp.sqrt(s.astype(jnp.float32))
-            r = m32 / jnp.where(root > 0, root, 1.0)
-            exact = ~(jnp.isfinite(m32) & jnp.isfinite(root) & (root > 0) & jnp.isfinite(r))
-        exact = exact & ~zero
-        keep = ~zero & ~exact
-        prepared.append((m, jnp.where(keep, r, 0.0), zero, exact))
-        hists.append(sketch.histogram(r, spec, keep))
-    counts = jnp.stack(hists).astype(jnp.float32)
-    total = jnp.sum(jnp.where(counts > 0, counts * reps * reps, 0.0), axis=1)
-    keys = jax.random.split(key, len(ms))
+    h = hist.astype(jnp.float32)
+    total = jnp.sum(jnp.where(h > 0, h * reps * reps, 0.0))
+    cs = jax.vmap(lambda k: kmeans.histogram_kmeans(h, spec, k, 1.0, keys[t], iters=iters, tol=tol, restarts=restarts,
+                                                    capacity=FIRST_LADDER[-1]))(ladder)
+    within = jax.vmap(lambda c: kmeans.loss(reps, h, c))(cs) <= budget * total
+    choice = jnp.where(jnp.any(within), jnp.argmax(within), len(FIRST_LADDER) - 1)
+    return cs[choice], ladder[choice]
 
-    def levels(h, key):
-        """Centres of every rung of the ladder for one histogram, and their squared errors."""
-        cs = jax.vmap(lambda k: kmeans.histogram_kmeans(h, spec, k, 1.0, key, iters=iters, tol=tol,
-                                                        restarts=restarts, capacity=capacity))(ladder)
-        return cs, jax.vmap(lambda c: kmeans.loss(reps, h, c))(cs)
 
-    centres, losses = jax.vmap(levels)(counts, keys)
-    # The first rung whose squared error is within the budget (the last if none is): errors fall with K.
-    within = losses <= budget * total[:, None]
-    choice = jnp.where(jnp.any(within, axis=1), jnp.argmax(within, axis=1), len(FIRST_LADDER) - 1)
-    codes, tables, in_place, bins = [], [], [], []
-    for (m, r, zero, exact), cs, c in zip(prepared, centres, choice):
-        k = ladder[c]
-        cen = cs[c]
-        code = jnp.where(exact, k + 1, jnp.where(zero, PRUNED, 1 + kmeans.assign(r, cen)))
-        codes.append(code.astype(jnp.uint8))
-        tables.append(jnp.where(jnp.arange(capacity) < k, cen, 0.0))
-        in_place.append(jnp.where(exact, m, jnp.zeros((), m.dtype)))
-        bins.append(k)
-    return codes, tables, in_place, bins
+@jax.jit
+def _codes(m, r, zero, exact, centres, k):
+    """(uint8 codes, value table with the unused slots 0, the exact values in place) of one first moment."""
+    code = jnp.where(exact, k + 1, jnp.where(zero, PRUNED, 1 + kmeans.assign(r, centres)))
+    table = jnp.where(jnp.arange(centres.shape[0]) < k, centres, 0.0)
+    return code.astype(jnp.uint8), table, jnp.where(exact, m, jnp.zeros((), m.dtype))
 
 
 def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array | None],
@@ -200,7 +198,12 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
     if not ms:
         return []
     key = seed_key(cfg.seed, 0x6D6F6E) if key is None else key
-    codes, tables, in_place, bins = _encode_first(
-        list(ms), list(scales), list(weight_codes), key, np.float32(cfg.moment_budget),
-        spec=sketch.SketchSpec(cfg.alpha), iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts)
-    return [DeviceCodes(c, t, v, b, scale=s) for c, t, v, b, s in zip(codes, tables, in_place, bins, scales)]
+    spec = sketch.SketchSpec(cfg.alpha)
+    keys, out = jax.random.split(key, len(ms)), []
+    for t, (m, s, wc) in enumerate(zip(ms, scales, weight_codes)):
+        r, zero, exact, hist = _ratio(m, s, wc, spec=spec)
+        centres, k = _ladder(hist, keys, np.int32(t), np.float32(cfg.moment_budget), spec=spec,
+                             iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts)
+        codes, table, in_place = _codes(m, r, zero, exact, centres, k)
+        out.append(DeviceCodes(codes, table, in_place, k, scale=s))
+    return out
