@@ -479,7 +479,7 @@ def test_orbax_standard_args_through_handler_registry(tmp_path, trained):
 
     def mngr():
         return ocp.CheckpointManager(tmp_path, handler_registry=ij.handler_registry(
-            ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False))))  # the routing, not the search
+            ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False, optimizer="lossless"))))  # the routing
 
     with mngr() as m:
         for step in (1, 2, 3):
@@ -566,7 +566,7 @@ def test_steps_orbax_wrote_in_the_root_restore_and_the_run_goes_on(tmp_path, tra
     with ocp.CheckpointManager(tmp_path) as m:
         for step in (0, 1):
             m.save(step, args=ocp.args.StandardSave(state.replace(step=step)))
-    with manager(tmp_path, ij.CompressionConfig(search=False), max_to_keep=3) as m:
+    with manager(tmp_path, ij.CompressionConfig(search=False, optimizer="lossless"), max_to_keep=3) as m:
         assert m.latest_step() == 1
         restored = m.restore(1, args=ij.InshrinkRestore(abstract(state)))
         assert int(restored.step) == 1 and type(restored) is type(state)
