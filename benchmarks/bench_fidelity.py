@@ -205,6 +205,9 @@ def main(argv=None):
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="charlm")
     ap.add_argument("--methods", nargs="+", default=METHODS, type=method_name)
     ap.add_argument("--failures", type=int, default=10)
+    ap.add_argument("--failures-from", type=int, default=0, metavar="STEP",
+                    help="spread the failures evenly over the steps after STEP instead of the whole run (the "
+                         "paper's spacing: restores once training has converged part way)")
     ap.add_argument("--out", default=None, help="markdown table; the frontier plot (.png) and figures (.json) beside")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="instead of running: one table of the runs in these figure files (invocations of this "
@@ -221,8 +224,11 @@ def main(argv=None):
     def make(seed):
         return cls(seed) if cls is ft.Mnist else cls(seed, steps)
 
-    span = steps / args.failures
-    failures = [int((k + 0.5) * span) // every * every + every // 2 for k in range(args.failures)]
+    if not 0 <= args.failures_from < steps:
+        raise SystemExit(f"--failures-from must be in [0, {steps})")
+    span = (steps - args.failures_from) / args.failures
+    failures = [(args.failures_from + int((k + 0.5) * span)) // every * every + every // 2
+                for k in range(args.failures)]
     work = make(0)
 
     def reference(seed):

@@ -101,14 +101,14 @@ def test_first_moment_update_error_is_within_the_budget(seed, budget, zeros, dty
     np.testing.assert_array_equal(on_device, restored)  # the save's decode is the restore's, bit for bit
     assert np.all(restored[mu == 0] == 0)
     assert enc.bins in moments.FIRST_LADDER and (budget > 0 or enc.bins == moments.FIRST_LADDER[-1])
-    # the levels' squared error is within the budget on the histogram (buckets of 1% relative width), and the
-    # decoded value's rounding to the dtype adds its own
+    # the levels' squared error is within the budget on the histogram (buckets of 5% relative width: a value is
+    # within 5% of its bucket's), and the decoded value's rounding to the dtype adds its own
     tol = {"float32": 0.0, "bfloat16": 2.0**-8, "float16": 2.0**-11}[dtype]
     finite = np.isfinite(nu.astype(np.float64)) & (nu.astype(np.float64) > 0) if relative else np.ones(mu.shape, bool)
     stored = enc.codes == quantize.protected_code(enc.bins)
     np.testing.assert_array_equal(stored, (mu != 0) & ~finite)  # only where sqrt(nu) cannot scale is mu stored
     err = update_error(restored[finite], mu[finite], nu[finite] if relative else None)
-    assert enc.bins == moments.FIRST_LADDER[-1] or np.sqrt(err) <= np.sqrt(budget) + 0.02 + 2 * tol
+    assert enc.bins == moments.FIRST_LADDER[-1] or np.sqrt(err) <= np.sqrt(budget) + 0.05 + 2 * tol
     # a looser budget never takes more levels
     _, _, looser = first_decoded(mu, nu if relative else None, moment_budget=min(1.0, budget * 2 + 0.05))
     assert looser.bins <= enc.bins
@@ -186,7 +186,7 @@ def test_quantize_policy_keeps_zeros_signs_and_prunes_first_moments(tmp_path, tr
         assert np.all(mu_r[mu_s == 0] == 0)
         if mu_s.size >= MIN_MOMENT_SIZE:  # coded relative to sqrt(nu) as restored, within moment_budget where
             kept = (w != 0) | (w.ndim < 2) | (w.size < 1024)  # the weight was not pruned
-            assert update_error(mu_r[kept], mu_s[kept], nu_r[kept]) <= (np.sqrt(0.1) + 0.02) ** 2
+            assert update_error(mu_r[kept], mu_s[kept], nu_r[kept]) <= (np.sqrt(0.1) + 0.05) ** 2
         if w.ndim >= 2 and w.size >= 1024:  # quantized: mu pruned exactly where its weight was
             n_quantized += 1
             np.testing.assert_array_equal(mu_r == 0, (mu_s == 0) | (w == 0))
