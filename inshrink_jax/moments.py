@@ -27,13 +27,13 @@ nu_hat the second moment *as this save stores it*; so that ratio is what is quan
 mu' = r' sqrt(nu_hat). Then the first update after a restore is off by exactly the ratio's quantization error,
 whatever nu's own error (mu' / sqrt(nu_hat) = r'), and a mu that is tiny where nu is tiny too (a rare token's
 row, an input that is seldom on) is never blown up to a level of the tensor's larger values: coded on its own in
-the log domain, 2 levels a sign put 17x the update's norm into the update of a fine-tuned LSTM
+the log domain, 2 levels a sign gave a fine-tuned LSTM's update a squared error 17x its own
 (benchmarks/results/moment_error_lstm.md). A first moment without a second moment of its shape beside it (SGD
 momentum's `trace`, Lion's `mu`) is coded the same way with sqrt(nu_hat) = 1: its update is linear in it.
 The ratio takes K levels from weighted k-means on its (signed) histogram, counts only: the levels that minimise
 the squared update error. K is chosen per tensor at every save, on the device, as the smallest of `FIRST_LADDER`
-whose squared update error, measured on the histogram (`RATIO_SKETCH`), is at most `CompressionConfig.moment_budget` of the
-update's: the same bound on every model, with no data needed. Codes are the weights' (quantize.py): 0 an exact
+whose squared update error, measured on the histogram (`RATIO_SKETCH`), is at most
+`CompressionConfig.moment_budget` of the update's: the same bound on every model, with no data needed. Codes are the weights' (quantize.py): 0 an exact
 zero (a zero moment, or the first moment of a weight pruned at this save), 1..K the levels ascending, K + 1 a
 value stored exactly (non-finite, or where nu_hat is 0 or not finite).
 """
@@ -52,9 +52,10 @@ from inshrink_jax.config import CompressionConfig
 from inshrink_jax.quantize import PRUNED, DeviceCodes, protected_code, seed_key
 
 # Which leaves are moments, and which are first moments, is policy.py's decision; which second moment a first
-# moment is coded relative to, save.py's. First moments follow their weight's pruning; second moments never do: a weight pruned to 0 with mu = 0 and its nu kept gets a small first
-# update (mu / sqrt(nu) starts at (1 - b1) g / sqrt(nu)), while mu = nu = 0 would make Adam's next updates
-# (1 - b1^t) / sqrt(1 - b2^t) ~ 3-6.5 times the learning rate on those weights.
+# moment is coded relative to, save.py's. First moments follow their weight's pruning; second moments never do:
+# a weight pruned to 0 with mu = 0 and its nu kept gets a small first update (mu / sqrt(nu) starts at
+# (1 - b1) g / sqrt(nu)), while mu = nu = 0 would make Adam's next updates (1 - b1^t) / sqrt(1 - b2^t) ~ 3-6.5
+# times the learning rate on those weights.
 
 
 # Level counts a first moment may take, fewest first (encode_first_on_device picks one per tensor and save).
