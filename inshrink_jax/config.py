@@ -176,8 +176,8 @@ class CompressionConfig:
       optimizer: policy for the optimizer's moments (optax `mu`, `nu`, `nu_max`, sgd momentum `trace`):
         "quantize" (the default: a second moment in log-domain levels (`moment_bins`), a first moment relative
         to the square root of its second moment as stored, within `moment_budget`; exact zeros kept; the
-        first moment of a pruned weight is pruned with it; moments.py), "drop" (not stored, restored as zeros; an optax step
-        counter `count` beside a dropped `nu` is dropped with it, so Adam's bias correction restarts with its
+        first moment of a pruned weight is pruned with it; moments.py), "drop" (not stored, restored as zeros;
+        an optax step counter `count` beside a dropped `nu` is dropped with it, so Adam's bias correction restarts with its
         moments) or "lossless" (bit-exact). Not "drop" by default: with the weights restored exactly, dropping
         Adam's moments at 10 restores of a character transformer ended +2.3% in loss (dropping only `mu`:
         +1.6%), a consistent loss though inside that model's three-seed noise of 3.75%
@@ -188,8 +188,9 @@ class CompressionConfig:
       moment_budget: a quantized first moment (`mu`, `trace`) takes, per tensor at every save, the fewest
         levels (2 to 16) of its ratio to the square root of its second moment whose squared error is at most
         this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore gives it
-        (in [0, 1]; 0: always 16 levels). Smaller: more levels, more bytes. The error fades within ~1 / (1 - b1) steps of a restore.
-        0.1 (an update off by about 30% in norm, for a few steps): see docs/how-it-works.md for how it was chosen.
+        (in [0, 1]; 0: always 16 levels). Smaller: more levels, more bytes. The error fades within
+        ~1 / (1 - b1) steps of a restore. 0.1: an update off by about 30% in norm, for a few steps
+        (docs/how-it-works.md, "How many levels", has the measurements).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
         before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
         everything else: "lossless"); e.g. ((r"\.nu\b", "quantize"), (r"\.mu\b", "drop")) or

@@ -14,7 +14,8 @@ log domain, per tensor:
     code 2K + 1       a non-finite value, stored exactly (the weights' "protected" code)
 
 K levels (`CompressionConfig.moment_bins`), shared by both signs (a second moment of some optimizers may be
-signed), are the centres of weighted k-means (kmeans.py) on log|m| over the log-bucket histogram of |m| (sketch.py: its buckets are uniform in log|m|, so it
+signed), are the centres of weighted k-means (kmeans.py) on log|m| over the log-bucket histogram of |m|
+(sketch.py: its buckets are uniform in log|m|, so it
 *is* the log-domain histogram), weighted by count only. A value takes the level nearest in log|m|, so its
 relative error is bounded by the gap between two neighbouring levels, never by the tensor's range.
 
@@ -33,8 +34,8 @@ momentum's `trace`, Lion's `mu`) is coded the same way with sqrt(nu_hat) = 1: it
 The ratio takes K levels from weighted k-means on its (signed) histogram, counts only: the levels that minimise
 the squared update error. K is chosen per tensor at every save, on the device, as the smallest of `FIRST_LADDER`
 whose squared update error, measured on the histogram (`RATIO_SKETCH`), is at most
-`CompressionConfig.moment_budget` of the update's: the same bound on every model, with no data needed. Codes are the weights' (quantize.py): 0 an exact
-zero (a zero moment, or the first moment of a weight pruned at this save), 1..K the levels ascending, K + 1 a
+`CompressionConfig.moment_budget` of the update's: the same bound on every model, with no data needed. Codes
+are the weights' (quantize.py): 0 an exact zero (a zero moment, or the first moment of a weight pruned at this save), 1..K the levels ascending, K + 1 a
 value stored exactly (non-finite, or where nu_hat is 0 or not finite).
 """
 

@@ -135,8 +135,8 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
         i: b for i in weights if (b := base.match(recs[i].path, recs[i].shape)) is not None}
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
-                [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of, records.empty_containers(state),
-                grads is not None)
+                [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of,
+                records.empty_containers(state), grads is not None)
 
 
 def auto_axes(x):
