@@ -330,9 +330,10 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     firsts = [k for k, f in enumerate(p.first) if f]
     second_devs = moments.encode_on_device([p.leaves[p.moments[k]] for k in seconds], cfg)
     # A first moment is coded relative to its second moment as a restore gives it back.
-    used = [k for k in seconds if p.moments[k] in {p.scales[f] for f in firsts}]
-    restored = dict(zip([p.moments[k] for k in used], quantize.dequantize_all(
-        [second_devs[seconds.index(k)] for k in used], [p.leaves[p.moments[k]].dtype for k in used])))
+    scaling = {p.scales[f] for f in firsts}
+    used = [(p.moments[k], dev) for k, dev in zip(seconds, second_devs) if p.moments[k] in scaling]
+    restored = dict(zip([i for i, _ in used], quantize.dequantize_all(
+        [dev for _, dev in used], [p.leaves[i].dtype for i, _ in used])))
     first_devs = moments.encode_first_on_device(
         [p.leaves[p.moments[k]] for k in firsts],
         [None if (j := p.scales[k]) is None else restored.get(j, p.leaves[j]) for k in firsts],
