@@ -28,6 +28,8 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import zstandard
 
@@ -115,14 +117,31 @@ def _radix_digits(base: int) -> int:
 
 
 def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
-    """The smallest of `compress` with each of `codecs` and the raw bytes: (bytes, codec id used)."""
+    """The smallest of `compress` with each of `codecs` that can win on `data` (`_can_win`) and the raw bytes:
+    (bytes, codec id used)."""
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
-    for c in (codecs,) if isinstance(codecs, str) else codecs:
+    codecs = (codecs,) if isinstance(codecs, str) else codecs
+    counts = np.bincount(raw, minlength=256) if ZSTD_RLE in codecs or ZSTD_RADIX in codecs else None
+    for c in codecs:
+        if not _can_win(c, counts):
+            continue
         packed = compress(raw if c != ZSTD_PLANES else data, c, level)
         if len(packed) < best[2]:
             best = (packed, c, len(packed))
     return (best[0], best[1]) if best[0] is not None else (raw.tobytes(), RAW)
+
+
+def _can_win(codec: str, counts: np.ndarray | None) -> bool:
+    """Whether `codec` is worth a pass over a uint8 stream with byte histogram `counts`: run lengths only when at
+    least half the stream is zeros (else they store a run byte per value besides the value: on the code
+    streams of benchmarks/results/delta.md they were then never the smallest, and their encoder is the slowest,
+    ~100 ns per value on dense 8-level codes); radix packing only for values below `_RADIX_MAX`."""
+    if codec == ZSTD_RLE:
+        return 2 * int(counts[0]) >= int(counts.sum())
+    if codec == ZSTD_RADIX:
+        return not counts[_RADIX_MAX:].any()
+    return True
 
 
 class CodecError(ValueError):
@@ -204,8 +223,23 @@ def _decompress_radix(blob: bytes, size: int) -> bytes:
         raise CodecError(f"zstd-radix stream holds {packed.size} bytes, expected {nbytes} for {size} values")
     if packed.size and int(packed.max()) >= base ** per:
         raise CodecError(f"zstd-radix byte {int(packed.max())} is not {per} digits in base {base}")
-    values = (packed[:, None] // (base ** np.arange(per, dtype=np.int64))[None, :]) % base
-    return values.astype(np.uint8).reshape(-1)[:size].tobytes()
+    table = _radix_table(base)
+    digits = table[packed].view(np.uint8).reshape(packed.size, table.itemsize)
+    return (digits if digits.shape[1] == per else digits[:, :per]).reshape(-1)[:size].tobytes()
+
+
+@functools.lru_cache(maxsize=_RADIX_MAX)
+def _radix_table(base: int) -> np.ndarray:
+    """byte -> its `_radix_digits(base)` digits in base `base`, least significant first, zero-padded to 1, 2, 4 or 8
+    bytes and held as one unsigned integer of that width (read-only): the decoder looks each packed byte up with
+    one gather instead of dividing."""
+    per = _radix_digits(base)
+    width = 1 << (per - 1).bit_length()
+    table = np.zeros((256, width), np.uint8)
+    table[:, :per] = (np.arange(256)[:, None] // base ** np.arange(per)[None, :]) % base
+    table = table.view(np.dtype(f"<u{width}")).reshape(256)
+    table.setflags(write=False)
+    return table
 
 
 _RLE_CHUNK = 1 << 20  # run bytes summed at a time

@@ -77,21 +77,48 @@ def kmeans_pp_init(points: jax.Array, weights: jax.Array, k, key: jax.Array, cap
     return jnp.sort(jnp.where(jnp.arange(capacity) < k, centres, jnp.inf))
 
 
+def prefix_sums(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inclusive prefix sums of a float32 vector with a leading 0, as pairs (hi, lo) whose sum is the prefix
+    sum: the sum of x[i:j] is `range_sums` of them, accurate to a few float32 roundings of the sum of |x| over
+    i:j alone, however large the sums before i (a plain float32 cumsum's difference is off by roundings of
+    those). hi is the float32 cumsum; lo is the cumsum of what each step of it rounded away, x_k - (hi_k -
+    hi_(k-1)), whatever order XLA summed in."""
+    zero = jnp.zeros((1,), x.dtype)
+    hi = jnp.concatenate([zero, jnp.cumsum(x)])
+    return hi, jnp.concatenate([zero, jnp.cumsum(x - (hi[1:] - hi[:-1]))])
+
+
+def range_sums(prefix: tuple[jax.Array, jax.Array], ends: jax.Array) -> jax.Array:
+    """Sums of the consecutive ranges [ends[j - 1], ends[j]) (ends[-1] read as 0) of the vector `prefix` was
+    made of."""
+    hi, lo = prefix
+    starts = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+    return (hi[ends] - hi[starts]) + (lo[ends] - lo[starts])
+
+
 def lloyd(points: jax.Array, weights: jax.Array, centres: jax.Array, iters: int, tol: float) -> jax.Array:
     """Weighted Lloyd iterations from ascending `centres` (unused slots +inf, and they stay there) until no
-    centre moves more than `tol` times the spread of the points, or `iters` iterations."""
+    centre moves more than `tol` times the spread of the points, or `iters` iterations.
+
+    `points` must be non-decreasing (a histogram's representatives are). Every centre's points are then one
+    contiguous range, bounded by a binary search of each midpoint, and its weight and weighted sum are
+    differences of prefix sums taken once: an iteration costs O(k log n), not O(n) (a histogram of 1% buckets
+    has 17,607 points; scattering them into the k sums took 90% of the encoder's time on CPU)."""
     k = centres.shape[0]
     present = weights > 0
     spread = jnp.max(jnp.where(present, points, -jnp.inf)) - jnp.min(jnp.where(present, points, jnp.inf))
     limit = tol * jnp.where(jnp.isfinite(spread), spread, 0.0)
-    wx = jnp.where(present, weights * points, 0.0)
+    w_prefix = prefix_sums(weights)
+    wx_prefix = prefix_sums(jnp.where(present, weights * points, 0.0))
+    last = jnp.full((1,), points.shape[0], jnp.int32)
 
     def step(carry):
         c, _, it = carry
-        # Binary search against the k - 1 midpoints (ties go to the lower centre, as in `assign`).
-        a = jnp.searchsorted(0.5 * (c[1:] + c[:-1]), points, side="left")
-        wsum = jax.ops.segment_sum(weights, a, num_segments=k)
-        vsum = jax.ops.segment_sum(wx, a, num_segments=k)
+        # Centre j takes the points p with mids[j - 1] < p <= mids[j] (ties go to the lower centre, as in
+        # `assign`): the range ending at the number of points <= mids[j].
+        ends = jnp.concatenate([jnp.searchsorted(points, 0.5 * (c[1:] + c[:-1]), side="right").astype(jnp.int32),
+                                last])
+        wsum, vsum = range_sums(w_prefix, ends), range_sums(wx_prefix, ends)
         new = jnp.sort(jnp.where(wsum > 0, vsum / jnp.where(wsum > 0, wsum, 1.0), c))
         return new, jnp.max(jnp.where(jnp.isfinite(c), jnp.abs(new - c), 0.0)), it + 1
 
@@ -107,7 +134,8 @@ def weighted_kmeans(
     points: jax.Array, weights: jax.Array, k, key: jax.Array, iters: int = 20, tol: float = 1e-4, restarts: int = 1,
     capacity: int | None = None,
 ) -> jax.Array:
-    """k ascending centres of the weighted 1-D points: the best of `restarts` k-means++ + Lloyd runs.
+    """k ascending centres of the weighted 1-D points (non-decreasing): the best of `restarts` k-means++ + Lloyd
+    runs.
 
     Points with weight 0 are ignored. With no weighted point at all, every centre is 0. `k` is a static int
     (returns k centres), or with `capacity` (static) a traced int in [1, capacity] (returns `capacity` slots,

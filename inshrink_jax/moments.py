@@ -77,7 +77,9 @@ def table_size(bins: int) -> int:
 def _encode_moments(ms, key, *, bins, spec, iters, tol, restarts, dtypes):
     reps = spec.representatives()
     positive = reps > 0
-    log_reps = jnp.asarray(np.log(np.where(positive, reps, 1.0)).astype(np.float32))
+    # (buckets <= 0 take the smallest positive one's value, so the points are non-decreasing as k-means needs;
+    # their weight is 0)
+    log_reps = jnp.asarray(np.log(np.where(positive, reps, reps[positive].min())).astype(np.float32))
     tiny = np.float32(np.finfo(np.float32).tiny)
     prepared, hists = [], []
     for m in ms:
