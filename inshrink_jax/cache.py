@@ -8,16 +8,24 @@ import os
 import jax
 
 
+# inshrink_jax's kernels are jitted per tensor shape and layer group, and most compile in 0.2-0.9 s on CPU: under
+# JAX's default threshold of 1 s none of them would be cached (a resumed charlm job's first save then compiled
+# 34 of them again, 31 s; benchmarks/results/compile_cache.md).
+MIN_COMPILE_TIME_SECS = 0.1
+
+
 def enable_compilation_cache(directory: str | os.PathLike | None = None) -> str:
     """Turn on JAX's persistent compilation cache in `directory` and return the directory in use.
 
     JAX's setting is process-wide: it caches every compilation that takes longer than
-    `jax_persistent_cache_min_compile_time_secs` (1 s by default), the training step's included, which a
-    resumed job also gains from. A cache directory configured before (`jax_compilation_cache_dir`, or the
-    `JAX_COMPILATION_CACHE_DIR` environment variable) is kept and returned. `directory` None:
-    `$XDG_CACHE_HOME/inshrink_jax/jax`, else `~/.cache/inshrink_jax/jax`. Call it once at startup, before the
-    first save or restore.
+    `jax_persistent_cache_min_compile_time_secs`, the training step's included, which a resumed job also gains
+    from. That threshold is lowered to `MIN_COMPILE_TIME_SECS` (0.1 s; JAX's default is 1 s), never raised. A
+    cache directory configured before (`jax_compilation_cache_dir`, or the `JAX_COMPILATION_CACHE_DIR`
+    environment variable) is kept and returned. `directory` None: `$XDG_CACHE_HOME/inshrink_jax/jax`, else
+    `~/.cache/inshrink_jax/jax`. Call it once at startup, before the first save or restore.
     """
+    if jax.config.jax_persistent_cache_min_compile_time_secs > MIN_COMPILE_TIME_SECS:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_SECS)
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current

@@ -13,7 +13,7 @@ got = ij.enable_compilation_cache(want)
 assert got == os.environ.get("JAX_COMPILATION_CACHE_DIR", want), got
 assert jax.config.jax_compilation_cache_dir == got
 assert ij.enable_compilation_cache(want + "-other") == got  # a configured cache is kept
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+assert jax.config.jax_persistent_cache_min_compile_time_secs == ij.cache.MIN_COMPILE_TIME_SECS
 w = jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)), jnp.float32)
 with ocp.CheckpointManager(sys.argv[2], item_handlers=ij.InshrinkCheckpointHandler()) as m:
     m.save(0, args=ij.InshrinkSave({"w": w}))
