@@ -240,7 +240,7 @@ def _dequantize_one(codes, centres, protected_in_place, bins, offset, scale, dty
     work = dtype if offset is None and scale is None else jnp.float32
     table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
     values = table[jnp.minimum(codes, centres.shape[0] + 1)]
-    exact = codes == bins + 1
+    exact = codes == bins.astype(jnp.int32) + 1
     r = jnp.where(exact, protected_in_place.astype(work), values.astype(work))
     if scale is not None:
         return times_scale(r, exact, scale, dtype)
@@ -259,8 +259,8 @@ def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.
     if not devs:
         return []
     return _dequantize([d.codes for d in devs], [d.centres for d in devs], [d.protected_in_place for d in devs],
-                       jnp.stack([jnp.asarray(d.bins, jnp.int32) for d in devs]), [d.offset for d in devs],
-                       [d.scale for d in devs], dtypes=tuple(jnp.dtype(t) for t in dtypes))
+                       [d.bins if isinstance(d.bins, jax.Array) else np.int32(d.bins) for d in devs],
+                       [d.offset for d in devs], [d.scale for d in devs], dtypes=tuple(jnp.dtype(t) for t in dtypes))
 
 
 def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:

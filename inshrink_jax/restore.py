@@ -50,7 +50,11 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
         pairs = match_target(reader, flat, partial)
     decode_codes(reader, pairs, threads)
     # A target of None (a partial restore's subtree) or ... (Orbax's PLACEHOLDER) is not read: it stays as it is.
-    values = [t if m is None else restore_leaf(reader, m, t) for m, t in pairs]
+    reader.shared_values = {}
+    try:
+        values = [t if m is None else restore_leaf(reader, m, t) for m, t in pairs]
+    finally:
+        reader.shared_values = None
     if chained is not None:  # as saved: the chain goes on from the exact reconstruction, before any cast
         chained.update((m.keystr, v) for (m, _), v in zip(pairs, values)
                        if m is not None and m.coding == records.CLOSED_LOOP)
@@ -267,8 +271,16 @@ def restore_leaf(reader: store.Reader, meta: records.Leaf, target):
     what = f"{store.describe(reader.directory)}: leaf {meta.keystr}"
     if meta.kind == "scalar":
         return meta.value
+    sharding = getattr(target, "sharding", None)
+    shared = (meta.keystr, sharding) if reader.shared_values is not None and meta.keystr in reader.scale_leaves \
+        and sharding is not None and not _is_numpy(meta, target) else None  # for its first moment, or itself
+    if shared is not None and shared in reader.shared_values:
+        return reader.shared_values[shared]
     with store.reading(reader.directory, f"leaf {meta.keystr}"):
-        return _RESTORERS[meta.kind](reader, meta, target, what)
+        value = _RESTORERS[meta.kind](reader, meta, target, what)
+    if shared is not None:
+        reader.shared_values[shared] = value
+    return value
 
 
 def _dropped(reader, meta: records.Leaf, target, what: str):

@@ -624,6 +624,10 @@ class Reader:
                 self.check_tiling(meta, self.shards.get(meta.keystr, []), self.object_id)
         self.codes_cache: dict[tuple, tuple[np.ndarray, int]] = {}  # (leaf, box) -> (codes, depth)
         self.chain_depth = 0  # closed loop: the most links after a keyframe of any leaf restored so far
+        # During restore.restore: (key path, sharding) -> a second moment it restored, which a first moment's
+        # decode also needs (restore.restore_leaf), so it is decoded once, not twice; None between restores.
+        self.scale_leaves = {m.scale_leaf for m in self.manifest.leaves if m.scale_leaf is not None}
+        self.shared_values: dict[tuple, Any] | None = None
 
     def check_tiling(self, meta: records.Leaf, shards: list, object_id: str) -> None:
         """The stored shards of a leaf in one object lie inside the manifest's shape of it and cover it exactly

@@ -236,6 +236,22 @@ def test_a_first_moment_restores_without_its_second_moment_in_the_target(tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_full_restore_decodes_each_second_moment_once(tmp_path, trained, monkeypatch):
+    state, grads, _ = trained
+    save_restore(tmp_path, state, grads, optimizer="quantize")
+    decoded = []
+    quantized = ij.restore._RESTORERS["quantized"]
+    monkeypatch.setitem(ij.restore._RESTORERS, "quantized",
+                        lambda reader, meta, *a: decoded.append(meta.keystr) or quantized(reader, meta, *a))
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler())
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    mngr.restore(int(state.step), args=ij.InshrinkRestore(abstract))
+    scaled = {m.scale_leaf for m in ij.store.Reader(tmp_path / str(int(state.step)) / "default").leaves.values()
+              if m.scale_leaf is not None}
+    assert len(scaled) == 6 and scaled <= set(decoded)  # every quantized second moment scales its first moment
+    assert sorted(decoded) == sorted(set(decoded))  # each leaf decoded once: its first moment reuses it
+
+
 def test_a_first_moment_whose_second_moment_is_missing_is_a_named_error(tmp_path, trained):
     state, grads, _ = trained
     save_restore(tmp_path, state, grads, optimizer="quantize")
