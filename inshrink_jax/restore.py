@@ -51,9 +51,8 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
     decode_codes(reader, pairs, threads)
     # A target of None (a partial restore's subtree) or ... (Orbax's PLACEHOLDER) is not read: it stays as it is.
     reader.shared_values = {}
-    try:  # leaves in parallel threads (decoding and host work release the GIL); the first error in leaf order
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            values = list(pool.map(lambda pair: pair[1] if pair[0] is None else restore_leaf(reader, *pair), pairs))
+    try:  # leaf by leaf: a restore's peak memory is that of its largest leaf, not of several at once
+        values = [t if m is None else restore_leaf(reader, m, t) for m, t in pairs]
     finally:
         reader.shared_values = None
     if chained is not None:  # as saved: the chain goes on from the exact reconstruction, before any cast
