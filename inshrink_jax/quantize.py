@@ -159,13 +159,15 @@ def times_scale(r: jax.Array, exact: jax.Array, scale: jax.Array, dtype) -> jax.
 
 
 @functools.partial(
-    jax.jit, static_argnames=("prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity", "out_dtypes")
+    jax.jit, static_argnames=("prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity", "out_dtypes",
+                              "uniform")
 )
 def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, key, *, prunable,
-                  spec, sigma, iters, tol, restarts, capacity, out_dtypes):
+                  spec, sigma, iters, tol, restarts, capacity, out_dtypes, uniform):
     """Codes, centres (`capacity` slots, the first `bins` used) and in-place protected values of the tensors of
     one layer type (they share the prune threshold). The configuration is traced, not static, so one compiled
-    kernel serves every candidate of the configuration search. A tensor with an offset is encoded as its
+    kernel serves every candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search
+    space never mixes the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its
     residual x - offset (its prune and protect scores are then those of the change against the offset)."""
     xs = [x if off is None else residual(x, off) for x, off in zip(xs, offsets)]
     scored = [_scores(x, g) for x, g in zip(xs, gs)]
@@ -192,17 +194,17 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     keys = jax.random.split(key, len(xs))
     # One batched k-means for all tensors of the group (the iteration overhead is paid once), or the uniform
     # quantizer's levels (QuantConfig.step > 0).
-    centres, widths = jax.lax.cond(
-        step > 0,
-        lambda: jax.vmap(lambda h: _uniform_levels(h, spec, bins, step, capacity))(counts),
-        lambda: (jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol,
-                                                                restarts=restarts, capacity=capacity))(counts, keys),
-                 jnp.zeros(len(xs), jnp.float32)))
+    if uniform:
+        centres, widths = jax.vmap(lambda h: _uniform_levels(h, spec, bins, step, capacity))(counts)
+    else:
+        centres = jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol,
+                                                                 restarts=restarts, capacity=capacity))(counts, keys)
+        widths = jnp.zeros(len(xs), jnp.float32)
     codes, in_place = [], []
     for x, (x32, _, _, _), p, q, c, width, od in zip(xs, scored, protected, pruned, centres, widths, out_dtypes):
         # A uniform quantizer's value takes its cell (the level is the cell's mean, not necessarily the nearest
         # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
-        level = 1 + jax.lax.cond(step > 0, lambda: _uniform_cell(x32, width, bins), lambda: kmeans.assign(x32, c))
+        level = 1 + (_uniform_cell(x32, width, bins) if uniform else kmeans.assign(x32, c))
         codes.append(jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8))
         in_place.append(jnp.where(p, _storage_values(x, od), jnp.zeros((), od)))
     used = jnp.arange(capacity) < bins
@@ -306,7 +308,8 @@ def encode_on_device(
     sigma: float | None = None,
 ) -> list[DeviceCodes]:
     """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
-    compiled once per state structure, whatever `quant` is (its k-means has `cfg.bins_capacity` slots).
+    compiled once per state structure and kind of levels (k-means or uniform), whatever else `quant` is (its
+    k-means has `cfg.bins_capacity` slots).
 
     Args:
       xs: float arrays (float32, bfloat16, float16), any shape and sharding.
@@ -339,7 +342,7 @@ def encode_on_device(
             np.float32(quant.protect_fraction), np.float32(quant.prune_fraction), np.float32(quant.step),
             seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
             prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters,
-            tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity,
+            tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity, uniform=quant.step > 0,
             out_dtypes=tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
                              for i in idx),
         )
