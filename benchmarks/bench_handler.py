@@ -150,7 +150,8 @@ def main(argv=None):
     lines = ["# Handler vs ocp.StandardCheckpointer (same state, same run)", "",
              f"Command: `python benchmarks/bench_handler.py {' '.join(sys.argv[1:])}`".rstrip(), "",
              "inshrink_jax: 16 bins, protect 0.5%, no pruning, one keyframe (the first save of a run), no search; "
-             "optimizer state under the default policy (drop: Adam's moments are not stored); small leaves "
+             "optimizer state under the default policy (quantize: Adam's moments in log-domain and relative "
+             "levels); small leaves "
              "lossless. Sizes are whole step directories (metadata included). Times: best of "
              f"{args.repeats} after a warm-up, 2-core CPU; ratio = Orbax / inshrink_jax (> 1: inshrink_jax smaller "
              "or faster). Synthetic states: four 4096-column float32 matrices of Student-t(3) weights.", "",
@@ -168,7 +169,11 @@ def main(argv=None):
               "drifts every weight by 1e-3 of its tensor's std): restore of the keyframe (step 0) and of the "
               f"deepest delta (step {args.depth}, {args.depth} deltas applied), into the saved layout, best of "
               f"{args.repeats} with a fresh manager each time, against Orbax's restore of the same state (table "
-              "above).", "",
+              "above). The default closed-loop chain: each later save stores the residual against the previous "
+              "save's reconstruction, so the first one also carries the keyframe's quantization error, which on "
+              "this random drift (far smaller than that error) makes every residual about as large as the "
+              "keyframe; real training moves weights by more between checkpoints (benchmarks/results/"
+              "fidelity_*.md).", "",
               f"| state | Orbax restore s | ours: keyframe s | ours: depth-{args.depth} delta s | Orbax / deep | "
               "deep / keyframe | ours: deep ns/param | params bytes per save (keyframe, then deltas) |",
               "|---|---:|---:|---:|---:|---:|---:|---|"]
