@@ -83,3 +83,40 @@ def test_deterministic_given_key():
     a = kmeans.histogram_kmeans(h, SPEC, 6, 0.2, jax.random.PRNGKey(7))
     b = kmeans.histogram_kmeans(h, SPEC, 6, 0.2, jax.random.PRNGKey(7))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_range_sums_keep_a_tiny_range_after_large_sums():
+    """The prefix sums Lloyd's iterations take range sums from: a range of small weights far along a vector of
+    large ones keeps float32's relative precision of its own sum (a plain float32 cumsum's difference does not)."""
+    rng = np.random.default_rng(0)
+    x = (rng.random(SPEC.num_buckets) ** 8).astype(np.float32)
+    x[rng.random(x.size) < 0.7] = 0
+    x[5000:5010] = 1e-5
+    x[12000:12003] = -3e-4  # signed, as the weighted sums of negative values are
+    exact = np.concatenate([[0.0], np.cumsum(x.astype(np.float64))])
+    ends = np.array([5000, 5010, 12000, 12003, x.size])
+    want = np.diff(np.concatenate([[0.0], exact[ends]]))
+    got = np.asarray(kmeans.range_sums(kmeans.prefix_sums(jnp.asarray(x)), jnp.asarray(ends, jnp.int32)))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain = np.concatenate([[0.0], np.cumsum(x)]).astype(np.float32)
+    assert abs((plain[5010] - plain[5000]) - want[1]) > 1e-3 * want[1]  # what the pairs guard against
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lloyd_iterations_match_a_float64_reference(seed):
+    """Lloyd's iterations from the same start, against NumPy in float64 with the same assignment (a point on a
+    midpoint goes to the lower centre) and the same stopping rule (here: a fixed number of iterations)."""
+    rng = np.random.default_rng(seed)
+    points = np.sort(rng.standard_t(3, 2000)).astype(np.float32)
+    weights = np.where(rng.random(2000) < 0.3, 0.0, rng.random(2000) ** 2).astype(np.float32)
+    start = np.concatenate([np.sort(rng.choice(points, 5, replace=False)), np.full(3, np.inf)]).astype(np.float32)
+    c = start.astype(np.float64)
+    for _ in range(7):
+        mids = 0.5 * (c[1:] + c[:-1])
+        a = np.searchsorted(mids, points, side="left")
+        wsum = np.bincount(a, weights, minlength=c.size)
+        vsum = np.bincount(a, weights * points.astype(np.float64), minlength=c.size)
+        c = np.sort(np.where(wsum > 0, vsum / np.where(wsum > 0, wsum, 1.0), c))
+    got = np.asarray(kmeans.lloyd(jnp.asarray(points), jnp.asarray(weights), jnp.asarray(start), 7, 0.0))
+    assert np.all(np.isinf(got[5:])) and np.all(np.isfinite(got[:5]))
+    np.testing.assert_allclose(got[:5], c[:5], rtol=1e-5, atol=1e-6)
