@@ -84,7 +84,7 @@ def main(argv=None):
     first = results[0]
     lines = ["# First saves' compile time against the number of parameter tensors", "",
              f"Command: `python benchmarks/compile_scaling.py {' '.join(sys.argv[1:])}`".rstrip(), "",
-             __doc__.split("\n\n")[1].replace("\n", " "), "",
+             __doc__.split("\n\n")[2].replace("\n", " "), "",
              "| layers | parameter tensors | parameters | save 1 (keyframe): blocks s, compile s (n) | "
              "save 2 (first residual): blocks s, compile s (n) | save 3: blocks s | first two saves' compile s, "
              f"vs {first['layers']} layers |",
