@@ -6,8 +6,9 @@ unreferenced data.
     inshrink-jax export  PATH --step N OUT [--item NAME]
     inshrink-jax gc      PATH [--item NAME] [--apply]
 
-PATH is a `CheckpointManager` root (the directory holding the step directories). `--item` picks the item of a
-composite checkpoint; by default the one item written by inshrink_jax. `verify` exits 1 on any problem and
+PATH is a `CheckpointManager` root (the directory holding the step directories), local or any root Orbax accepts
+(`gs://bucket/run`: every read and write goes through `etils.epath`, as the handler's do). `--item` picks the item
+of a composite checkpoint; by default the one item written by inshrink_jax. `verify` exits 1 on any problem and
 names it (step, item, file, leaf); `gc` only lists what it would delete unless `--apply` is given.
 """
 
@@ -17,11 +18,11 @@ import argparse
 import json
 import os
 import re
-import shutil
 import sys
 
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 
 from inshrink_jax import quantize, records, restore, store
 
@@ -48,20 +49,31 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------------------------------ locating
+def _join(root, *parts: str) -> str:
+    """`root` joined with `parts`, as a string (a local path or a URI such as gs://bucket/run)."""
+    return str(epath.Path(root).joinpath(*parts))
+
+
+def _names(directory) -> list[str]:
+    """The names in `directory`, sorted ([] if it is not a directory)."""
+    d = epath.Path(directory)
+    return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+
+
 _STEP_NAME = re.compile(r"(?:.+_)?(\d+)")  # Orbax's step names: [<step_prefix>_]<step, zero-padded or not>
 
 
 def _steps(root: str) -> dict[int, str]:
     """Step number -> step directory name of the committed steps under `root` (any `step_prefix` and
     `step_format_fixed_length` of `CheckpointManagerOptions`)."""
-    if not os.path.isdir(root):
+    if not epath.Path(root).is_dir():
         raise SystemExit(f"inshrink-jax: {root} is not a directory")
     if _standalone(root):  # a plain ocp.Checkpointer's checkpoint: one save, the directory itself
         return {0: "."}
     out: dict[int, str] = {}
-    for d in sorted(os.listdir(root)):
+    for d in _names(root):
         m = _STEP_NAME.fullmatch(d)
-        if m and store.TMP_SUFFIX not in d and d != store.OBJECTS and os.path.isdir(os.path.join(root, d)):
+        if m and store.TMP_SUFFIX not in d and d != store.OBJECTS and epath.Path(_join(root, d)).is_dir():
             if int(m.group(1)) in out:
                 raise SystemExit(f"inshrink-jax: {root} holds two directories of step {int(m.group(1))}: "
                                  f"{out[int(m.group(1))]} and {d}")
@@ -71,7 +83,7 @@ def _steps(root: str) -> dict[int, str]:
 
 def _standalone(root: str) -> bool:
     """Whether PATH is a standalone checkpoint (written by a plain `ocp.Checkpointer`), not a manager's root."""
-    return os.path.exists(os.path.join(root, store.MANIFEST)) and store.is_standalone(root)
+    return epath.Path(_join(root, store.MANIFEST)).exists() and store.is_standalone(root)
 
 
 def _item(root: str, steps: dict[int, str], item: str | None) -> str:
@@ -81,11 +93,10 @@ def _item(root: str, steps: dict[int, str], item: str | None) -> str:
         return "."
     if item is not None:
         return item
-    found = set() if steps else set(os.listdir(os.path.join(root, store.OBJECTS))) \
-        if os.path.isdir(os.path.join(root, store.OBJECTS)) else set()
+    found = set() if steps else set(_names(_join(root, store.OBJECTS)))
     for name in steps.values():
-        for sub in os.listdir(os.path.join(root, name)):
-            if os.path.exists(os.path.join(root, name, sub, store.MANIFEST)):
+        for sub in _names(_join(root, name)):
+            if epath.Path(_join(root, name, sub, store.MANIFEST)).exists():
                 found.add(sub)
     if len(found) == 1:
         return found.pop()
@@ -116,15 +127,28 @@ def _summary(directory: str) -> dict:
             "config": reader.manifest.config, **figs}
 
 
-def _tree_bytes(path: str) -> int:
+def _files(top) -> list[epath.Path]:
+    """Every file under `top` (none if it is gone). `Path.walk` is not used: on a gs:// root, etils gives back
+    its directories without the scheme."""
+    top = epath.Path(top)
+    try:
+        entries = list(top.iterdir()) if top.is_dir() else []
+    except FileNotFoundError:
+        return []
+    out = []
+    for p in entries:
+        out += _files(p) if p.is_dir() else [p]
+    return out
+
+
+def _tree_bytes(path) -> int:
     """Bytes of the files under `path` (0 if it is gone)."""
     total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(dirpath, name), follow_symlinks=False).st_size
-            except FileNotFoundError:
-                continue
+    for f in _files(path):
+        try:
+            total += f.stat().length or 0
+        except FileNotFoundError:
+            continue
     return total
 
 
@@ -141,14 +165,13 @@ def _disk_usage(root: str, item: str, out: dict, names: dict) -> tuple[dict, dic
         return objects[ref]
 
     needs = {s: _tree_bytes(root) if _standalone(root) else
-             _tree_bytes(os.path.join(root, names[s])) + sum(object_bytes(r) for r in f["objects"])
+             _tree_bytes(_join(root, names[s])) + sum(object_bytes(r) for r in f["objects"])
              for s, f in out.items() if "error" not in f and f is not ORBAX_STEP}
     owned = {f["object"] for f in out.values() if "error" not in f and f is not ORBAX_STEP}
     store_dir = str(store.objects_dir(root, item))
-    stored = {n: _tree_bytes(os.path.join(store_dir, n))
-              for n in (os.listdir(store_dir) if os.path.isdir(store_dir) else [])}
-    steps = _tree_bytes(root) - _tree_bytes(os.path.join(root, store.OBJECTS)) if _standalone(root) else \
-        sum(_tree_bytes(os.path.join(root, n)) for n in names.values())
+    stored = {n: _tree_bytes(_join(store_dir, n)) for n in _names(store_dir)}
+    steps = _tree_bytes(root) - _tree_bytes(_join(root, store.OBJECTS)) if _standalone(root) else \
+        sum(_tree_bytes(_join(root, n)) for n in names.values())
     kinds = {"step directories": steps, "objects of listed steps": sum(v for n, v in stored.items() if n in owned),
              "objects kept as delta bases": sum(v for n, v in stored.items() if n not in owned)}
     kinds["other files"] = _tree_bytes(root) - sum(kinds.values())
@@ -173,7 +196,7 @@ ORBAX_STEP = {"written_by": "orbax"}
 
 def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int:
     steps = _steps(root)
-    if not steps and step is None and os.path.isdir(os.path.join(root, store.OBJECTS)):
+    if not steps and step is None and epath.Path(_join(root, store.OBJECTS)).is_dir():
         print("{}" if as_json else f"{root}: no steps")
         return 0
     item = _item(root, steps, item)
@@ -182,7 +205,7 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
     progress = _Progress("inspect", len(chosen))
     for s, name in chosen.items():
         try:
-            out[s] = _summary(os.path.join(root, name, item))
+            out[s] = _summary(_join(root, name, item))
         except store.OrbaxWrittenStep:
             out[s] = ORBAX_STEP
         except store.CheckpointCorruptError as e:
@@ -287,7 +310,7 @@ def _verify_shard(reader: store.Reader, meta: records.Leaf, p: int, entry: recor
 
 def verify(root: str, step: int | None, item: str | None) -> int:
     steps = _steps(root)
-    if not steps and step is None and os.path.isdir(os.path.join(root, store.OBJECTS)):
+    if not steps and step is None and epath.Path(_join(root, store.OBJECTS)).is_dir():
         print(f"{root}: no steps to check")
         return 0
     item = _item(root, steps, item)
@@ -296,7 +319,7 @@ def verify(root: str, step: int | None, item: str | None) -> int:
     problems, foreign = [], []
     for s, name in chosen.items():
         try:
-            problems += _verify_step(os.path.join(root, name, item))
+            problems += _verify_step(_join(root, name, item))
         except store.OrbaxWrittenStep:
             foreign.append(s)
         progress.step(f"step {s}")
@@ -319,8 +342,8 @@ def export(root: str, step: int, item: str | None, out: str) -> int:
 
     steps = _steps(root)
     item = _item(root, steps, item)
-    directory = os.path.join(root, _select(steps, step, root)[step], item)
-    if os.path.exists(out):
+    directory = _join(root, _select(steps, step, root)[step], item)
+    if epath.Path(out).exists():
         raise SystemExit(f"inshrink-jax: {out} exists; export writes a new directory")
     progress = _Progress("export", 2)
     state = InshrinkCheckpointHandler().restore(directory, InshrinkRestore())
@@ -328,7 +351,7 @@ def export(root: str, step: int, item: str | None, out: str) -> int:
     reader = store.Reader(directory)
     dropped = [m.keystr for m in reader.manifest.leaves if m.kind == "dropped"]
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(out), state)
+        ckptr.save(out if "://" in out else os.path.abspath(out), state)
     progress.step("written")
     print(f"step {step} of {root} (item {item!r}) written to {out} as a plain Orbax StandardCheckpointer "
           "checkpoint (restore it with ocp.StandardCheckpointer().restore(path)); quantized leaves hold their "
@@ -349,25 +372,35 @@ def copy(root: str, step: int, item: str | None, out: str) -> int:
                          "directory as it is")
     item = _item(root, steps, item)
     name = _select(steps, step, root)[step]
-    if os.path.exists(out):
+    if epath.Path(out).exists():
         raise SystemExit(f"inshrink-jax: {out} exists; copy writes a new root")
-    reader = store.Reader(os.path.join(root, name, item))
+    reader = store.Reader(_join(root, name, item))
     refs = [r for r in reader.commit["objects"] if not store.is_external(r)]
     for r in refs:
         reader.object(r)  # each there and matching the step's records before anything is copied
     progress = _Progress("copy", len(refs) + 1)
-    tmp = out + ".inshrink-copy-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(os.path.join(root, name), os.path.join(tmp, name))
+    tmp = epath.Path(out + ".inshrink-copy-tmp")
+    if tmp.exists():
+        tmp.rmtree()
+    _copy_tree(_join(root, name), tmp / name)
     progress.step(f"step {step}")
     for r in refs:
-        shutil.copytree(str(store.object_path(root, item, r)), str(store.object_path(tmp, item, r)))
+        _copy_tree(store.object_path(root, item, r), store.object_path(str(tmp), item, r))
         progress.step(f"object {r}")
-    os.rename(tmp, out)
+    tmp.rename(out)
     external = [r for r in reader.commit["objects"] if store.is_external(r)]
     print(f"step {step} of {root} copied to {out} with {len(refs)} object(s) ({_fmt_bytes(_tree_bytes(out))})"
           + (f"; it still reads its base checkpoint {external[0]}" if external else ""))
     return 0
+
+
+def _copy_tree(src, dst) -> None:
+    """Copy the files under `src` to the same places under `dst` (either local or remote)."""
+    src = epath.Path(src)
+    for f in _files(src):
+        target = epath.Path(dst).joinpath(*f.relative_to(src).parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        f.copy(target)
 
 
 # ------------------------------------------------------------------------------------------------------ gc
@@ -382,8 +415,7 @@ def gc(root: str, item: str | None, apply: bool) -> int:
         print(f"{root}: some step's records cannot be read (run verify); nothing is collected")
         return 1
     objects, files = plan
-    size = sum(os.path.getsize(os.path.join(d, f)) for o in objects
-               for d, _, fs in os.walk(str(store.objects_dir(root, item) / o)) for f in fs) if not apply else 0
+    size = sum(_tree_bytes(store.objects_dir(root, item) / o) for o in objects) if not apply else 0
     verb = "deleted" if apply else "would delete"
     print(f"{root}: item {item!r}: {verb} {len(objects)} unreferenced object(s) and {len(files)} data file(s) of "
           "objects kept only as delta bases" + (f" ({_fmt_bytes(size + sum(s for _, s in files))})"
