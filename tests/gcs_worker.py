@@ -33,14 +33,15 @@ def main() -> None:
     remote, local = sys.argv[1], sys.argv[2]
     seen = {}
     for root in (remote, local):
-        for step in range(6):  # a new manager (a restarted job) for the last three saves
-            m = manager(root) if step in (0, 3) else m
-            m.save(step, args=ij.InshrinkSave(state_at(step)))
-            m.wait_until_finished()
-        seen[root] = {"steps": m.all_steps(),
-                      "kinds": [store.Reader(epath.Path(root) / str(s) / "default").figures()["kind"]
-                                for s in m.all_steps()]}
-        m.close()
+        for first in (0, 3):  # a new manager (a restarted job) for the last three saves
+            m = manager(root)
+            for step in range(first, first + 3):
+                m.save(step, args=ij.InshrinkSave(state_at(step)))
+                m.wait_until_finished()
+            steps = m.all_steps()
+            m.close()
+        seen[root] = {"steps": steps, "kinds": [store.Reader(epath.Path(root) / str(s) / "default").figures()["kind"]
+                                                for s in steps]}
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if hasattr(x, "shape") else x,
                             state_at(0))
     restored = {root: {s: manager(root).restore(s, args=ij.InshrinkRestore(abstract)) for s in (3, 4, 5)}
