@@ -4,6 +4,8 @@ unreferenced data.
     inshrink-jax inspect PATH [--step N] [--item NAME] [--json]
     inshrink-jax verify  PATH [--step N] [--item NAME]
     inshrink-jax export  PATH --step N OUT [--item NAME]
+    inshrink-jax copy    PATH --step N OUT [--item NAME]
+    inshrink-jax plot    PATH [--out FILE.png] [--item NAME]
     inshrink-jax gc      PATH [--item NAME] [--apply]
 
 PATH is a `CheckpointManager` root (the directory holding the step directories), local or any root Orbax accepts
@@ -15,37 +17,65 @@ names it (step, item, file, leaf); `gc` only lists what it would delete unless `
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
 import sys
 
+import humanize
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
+from rich import box, console, table
 
 from inshrink_jax import quantize, records, restore, store
 
 
 class _Progress:
-    """One line of progress on stderr, redrawn in place on a terminal, printed once per 10% otherwise."""
+    """Progress of a long command on stderr: a rich progress bar on a terminal, otherwise a plain line per 10%."""
 
     def __init__(self, what: str, total: int):
         self.what, self.total, self.done, self._last = what, total, 0, -1
-        self.tty = sys.stderr.isatty()
+        self._bar = None
+        if sys.stderr.isatty():
+            from rich import progress
+
+            self._bar = progress.Progress(
+                progress.TextColumn("{task.description}"), progress.BarColumn(), progress.MofNCompleteColumn(),
+                progress.TextColumn("{task.fields[label]}"), console=console.Console(stderr=True))
+            self._bar.start()
+            self._task = self._bar.add_task(what, total=total, label="")
 
     def step(self, label: str = "") -> None:
         self.done += 1
         pct = 100 * self.done // max(self.total, 1)
-        if self.tty:
-            bar = "#" * (pct // 5)
-            sys.stderr.write(f"\r{self.what} [{bar:<20}] {self.done}/{self.total} {label[:40]:<40}")
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, label=label)
             if self.done == self.total:
-                sys.stderr.write("\n")
+                self._bar.stop()
         elif pct // 10 != self._last // 10 or self.done == self.total:
             sys.stderr.write(f"{self.what}: {self.done}/{self.total} {label}\n")
+            sys.stderr.flush()
         self._last = pct
-        sys.stderr.flush()
+
+
+class _Out:
+    """Text and rich tables on stdout: at the terminal's width, or, into a pipe or a file, 200 columns wide with
+    no trailing blanks and each text line whole (a row per line, for grep and the like)."""
+
+    def __init__(self):
+        self.tty = sys.stdout.isatty()
+        self.console = console.Console(highlight=False, width=None if self.tty else 200,
+                                       file=None if self.tty else io.StringIO())
+
+    def __call__(self, *things, text: bool = False) -> None:
+        self.console.print(*things, markup=False, soft_wrap=text and not self.tty)
+        if not self.tty:
+            buf = self.console.file
+            sys.stdout.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
+            buf.seek(0)
+            buf.truncate()
 
 
 # ------------------------------------------------------------------------------------------------ locating
@@ -179,11 +209,7 @@ def _disk_usage(root: str, item: str, out: dict, names: dict) -> tuple[dict, dic
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1000
-    return str(n)
+    return humanize.naturalsize(n, format="%.1f")
 
 
 def _ratio(r) -> str:
@@ -194,15 +220,14 @@ def _ratio(r) -> str:
 ORBAX_STEP = {"written_by": "orbax"}
 
 
-def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int:
+def _inspect_steps(root: str, step: int | None, item: str | None, what: str) -> tuple[dict, str, dict, dict]:
+    """(steps, item, step -> summary (or {"error": ...}, or ORBAX_STEP) with its `needs_bytes`, the root's bytes by
+    kind) of the chosen steps, with progress."""
     steps = _steps(root)
-    if not steps and step is None and epath.Path(_join(root, store.OBJECTS)).is_dir():
-        print("{}" if as_json else f"{root}: no steps")
-        return 0
     item = _item(root, steps, item)
     out = {}
     chosen = _select(steps, step, root)
-    progress = _Progress("inspect", len(chosen))
+    progress = _Progress(what, len(chosen))
     for s, name in chosen.items():
         try:
             out[s] = _summary(_join(root, name, item))
@@ -211,24 +236,41 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
         except store.CheckpointCorruptError as e:
             out[s] = {"error": str(e)}
         progress.step(f"step {s}")
-    failed = int(any("error" in f for f in out.values()))  # exit 1 when a step cannot be read, as verify does
     needs, kinds = _disk_usage(root, item, out, steps)
     for s, n in needs.items():
         out[s]["needs_bytes"] = n
+    return steps, item, out, kinds
+
+
+def _degradation(f: dict) -> float | None:
+    """The eval_fn's relative change that a save measured for its chosen configuration (None: not measured)."""
+    d = f["search"].get("degradation") if isinstance(f.get("search"), dict) else None
+    return d if isinstance(d, (int, float)) and d == d and abs(d) != float("inf") else None
+
+
+def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int:
+    if not _steps(root) and step is None and epath.Path(_join(root, store.OBJECTS)).is_dir():
+        print("{}" if as_json else f"{root}: no steps")
+        return 0
+    steps, item, out, kinds = _inspect_steps(root, step, item, "inspect")
+    failed = int(any("error" in f for f in out.values()))  # exit 1 when a step cannot be read, as verify does
     if as_json:
         print(json.dumps({str(k): v for k, v in out.items()}, indent=1))
         return failed
-    print(f"{root}: " + ("a standalone checkpoint (ocp.Checkpointer)" if _standalone(root) else
-                         f"item {item!r}, {len(steps)} step(s)"))
-    print(f"{'step':>7} {'kind':>8} {'depth':>5} {'stored':>10} {'needs':>10} {'params':>8} {'optim.':>10} "
-          f"{'whole':>7} {'degr.':>7} {'save s':>7}  configuration")
+    show = _Out()
+    show(f"{root}: " + ("a standalone checkpoint (ocp.Checkpointer)" if _standalone(root) else
+                        f"item {item!r}, {len(steps)} step(s)"), text=True)
+    t = table.Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("step", "kind", "depth", "stored", "needs", "params", "optim.", "whole", "degr.", "save s"):
+        t.add_column(name, justify="right", no_wrap=True)
+    t.add_column("configuration", overflow="fold")
     for s, f in out.items():
         if "error" in f:
-            print(f"{s:>7} ERROR {f['error']}")
+            t.add_row(str(s), "ERROR", *[""] * 8, f["error"], style="red")
             continue
         if f is ORBAX_STEP:
-            print(f"{s:>7}    orbax written by Orbax's own handler (before the run moved to inshrink_jax): restores "
-                  "through InshrinkCheckpointHandler; not inspected")
+            t.add_row(str(s), "orbax", *[""] * 8, "written by Orbax's own handler (before the run moved to "
+                      "inshrink_jax): restores through InshrinkCheckpointHandler; not inspected")
             continue
         q = f["quant"]
         conf = "lossless"
@@ -236,30 +278,83 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
             levels = f"{q['bins']} cells of {q['step']} RMS" if q.get("step") else f"{q['bins']} bins"
             conf = (f"{levels}, prune {q['prune_fraction']:.0%} ({q['prune_metric']}), "
                     f"protect {q['protect_fraction']:.2%}")
-        degradation = f["search"].get("degradation") if isinstance(f["search"], dict) else None
-        degr = f"{degradation:+.2%}" if isinstance(degradation, (int, float)) and degradation == degradation \
-            and abs(degradation) != float("inf") else "-"
-        print(f"{s:>7} {f['kind']:>8} {f['chain_depth']:>5} {_fmt_bytes(sum(f['stored_bytes'].values())):>10} "
-              f"{_fmt_bytes(f['needs_bytes']):>10} {_ratio(f['ratio']['params']):>8} "
-              f"{_ratio(f['ratio']['optimizer']):>10} {f['ratio']['total']:>6.1f}x {degr:>7} "
-              f"{f['total_seconds']:>7.2f}  {conf}; optimizer {f['config'].get('optimizer', 'lossless')}")
-    print(f"on disk: {_fmt_bytes(sum(kinds.values()))} in all (" + ", ".join(
+        degr = "-" if _degradation(f) is None else f"{_degradation(f):+.2%}"
+        t.add_row(str(s), f["kind"], str(f["chain_depth"]), _fmt_bytes(sum(f["stored_bytes"].values())),
+                  _fmt_bytes(f["needs_bytes"]), _ratio(f["ratio"]["params"]), _ratio(f["ratio"]["optimizer"]),
+                  f"{f['ratio']['total']:.1f}x", degr, f"{f['total_seconds']:.2f}",
+                  f"{conf}; optimizer {f['config'].get('optimizer', 'lossless')}")
+    show(t)
+    show(f"on disk: {_fmt_bytes(sum(kinds.values()))} in all (" + ", ".join(
         f"{k} {_fmt_bytes(v)}" for k, v in kinds.items()) + "); 'stored': a save's own bytes, 'needs': what "
-        "restoring it reads, its delta chain included; file sizes: `du` also counts directories)")
+        "restoring it reads, its delta chain included; 'degr.': the eval_fn's change the save measured; file "
+        "sizes: `du` also counts directories)", text=True)
     if step is not None and "error" not in out[step]:
         f = out[step]
-        print(f"\nstep {step}: object {f['object']}, delta bases {f['bases'] or 'none (keyframe)'}; search "
-              f"{f['search'].get('mode')}; sensitivity: {f['sensitivity']}")
+        show(f"\nstep {step}: object {f['object']}, delta bases {f['bases'] or 'none (keyframe)'}; search "
+                   f"{f['search'].get('mode')}; sensitivity: {f['sensitivity']}", text=True)
         if f["base_checkpoint"]:
-            print(f"  weights stored as residuals against the base checkpoint {f['base_checkpoint']}")
-        print(f"  raw bytes {f['raw_bytes']}, stored bytes {f['stored_bytes']}")
-        print(f"  blocking {f['blocking_seconds']:.3f} s, total {f['total_seconds']:.3f} s")
+            show(f"  weights stored as residuals against the base checkpoint {f['base_checkpoint']}", text=True)
+        show(f"  raw bytes {f['raw_bytes']}, stored bytes {f['stored_bytes']}", text=True)
+        show(f"  blocking {f['blocking_seconds']:.3f} s, total {f['total_seconds']:.3f} s", text=True)
+        leaves = table.Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        leaves.add_column("leaf", overflow="fold", ratio=3)  # long key paths wrap inside their column
+        for name in ("stored as", "shape", "dtype"):
+            leaves.add_column(name, overflow="fold", ratio=1)
         for m in f["leaves"]:
             detail = m["kind"] + (f" ({m['method']}{', residual' if 'base_leaf' in m else ''}, {m['bins']} levels)"
                                   if m["kind"] == "quantized" else "")
-            key = m["keystr"] if len(m["keystr"]) <= 60 else m["keystr"] + "\n" + " " * 62  # long paths: own line
-            print(f"  {key:<60} {detail:<32} {str(m.get('shape', '')):<16} {m.get('dtype', '')}")
+            leaves.add_row(m["keystr"], detail, str(m.get("shape", "")), m.get("dtype", ""))
+        show(leaves)
     return failed
+
+
+# ---------------------------------------------------------------------------------------------------- plot
+def plot(root: str, item: str | None, out: str) -> int:
+    """Draw bytes per save (its own and what restoring it reads) and the degradation each save measured, against
+    the step, into the image `out` (matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("inshrink-jax plot needs matplotlib: pip install 'inshrink-jax[plot]'") from None
+    _, item, data, kinds = _inspect_steps(root, None, item, "plot")
+    good = {s: f for s, f in data.items() if "error" not in f and f is not ORBAX_STEP}
+    if not good:
+        raise SystemExit(f"inshrink-jax: no step of {root} can be read; nothing to plot (run verify)")
+    xs = list(good)
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6.5))
+    own = [sum(f["stored_bytes"].values()) for f in good.values()]
+    raw = [sum(f["raw_bytes"].values()) for f in good.values()]
+    top.plot(xs, own, "o-", label="stored by the save")
+    top.plot(xs, [f["needs_bytes"] for f in good.values()], "s--", label="read by its restore (chain included)")
+    top.plot(xs, raw, ":", color="grey", label="the state uncompressed")
+    top.set_yscale("log")
+    top.set_ylabel("bytes")
+    top.set_title(f"{root} (item {item!r}): {len(good)} step(s), {_fmt_bytes(sum(kinds.values()))} on disk, "
+                  f"{sum(raw) / max(sum(own), 1):.1f}x over the saves", fontsize=9)
+    top.legend(fontsize=8)
+    measured = [(s, _degradation(f)) for s, f in good.items() if _degradation(f) is not None]
+    if measured:
+        bottom.plot([s for s, _ in measured], [100 * d for _, d in measured], "o-", label="measured (eval_fn)")
+        eps = [f["config"].get("epsilon") for f in good.values()]
+        if eps[-1] is not None:
+            bottom.axhline(100 * eps[-1], color="red", ls="--", label=f"epsilon {eps[-1]:g}")
+        bottom.legend(fontsize=8)
+    else:
+        bottom.text(0.5, 0.5, "no save measured a degradation (saved without an eval_fn)", ha="center",
+                    transform=bottom.transAxes)
+    bottom.set_ylabel("degradation per save (%)")
+    bottom.set_xlabel("step")
+    bottom.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    skipped = sorted(set(data) - set(good))
+    print(f"{out}: bytes and degradation of {len(good)} step(s) of {root}"
+          + (f"; step(s) {', '.join(map(str, skipped))} not drawn (unreadable or written by Orbax)" if skipped else ""))
+    return int(any("error" in f for f in data.values()))
 
 
 # -------------------------------------------------------------------------------------------------- verify
@@ -462,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, required=True, help="the step to copy")
     p.add_argument("out", help="the new root to write (must not exist)")
     p.add_argument("--item", help=item_help)
+    p = sub.add_parser("plot", help="draw bytes per save and the degradation each save measured (needs matplotlib)")
+    p.add_argument("path", help=root_help)
+    p.add_argument("--out", default="inshrink.png", help="the image to write (default: inshrink.png)")
+    p.add_argument("--item", help=item_help)
     p = sub.add_parser("gc", help="delete data no step references (dry run unless --apply)")
     p.add_argument("path", help=root_help)
     p.add_argument("--item", help=item_help)
@@ -476,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
             code = export(a.path, a.step, a.item, a.out)
         elif a.command == "copy":
             code = copy(a.path, a.step, a.item, a.out)
+        elif a.command == "plot":
+            code = plot(a.path, a.item, a.out)
         else:
             code = gc(a.path, a.item, a.apply)
         sys.stdout.flush()  # here, so a closed pipe is caught below and not at interpreter exit

@@ -285,7 +285,7 @@ def test_inspect_exits_1_when_a_step_cannot_be_read_and_still_lists_the_others(r
     (dst / "1" / "default" / store.MANIFEST).write_bytes(b"{}")
     assert cli.main(["inspect", str(dst)]) == 1
     out = capsys.readouterr().out
-    assert re.search(r"^ +1 ERROR .*step 1", out, re.M) and re.search(r"^ +2 ", out, re.M)
+    assert re.search(r"^ +1 +ERROR +.*step 1", out, re.M) and re.search(r"^ +2 ", out, re.M)
     assert cli.main(["inspect", str(dst), "--json"]) == 1
 
 
@@ -301,3 +301,51 @@ def test_version_and_a_closed_pipe(root, capsys):
                          text=True, timeout=300)
     os.close(w)
     assert run.returncode == 1 and "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
+
+
+def test_plot_draws_bytes_and_the_measured_degradation_of_every_save(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    small = ij.SearchSpace(bins=(4, 8), prune_fractions=(0.0,), protect_fractions=(0.005,), prune_metrics=("magnitude",))
+    cfg = ij.CompressionConfig(search_space=small, residual_space=small)
+    target = state_at(0)["params"]["dense"]["kernel"]
+    eval_fn = jax.jit(lambda s: 1.0 + jnp.mean((s["params"]["dense"]["kernel"] - target) ** 2))
+    mngr = ocp.CheckpointManager(tmp_path / "ckpt", item_handlers=ij.InshrinkCheckpointHandler(cfg))
+    for i in range(3):
+        mngr.save(i, args=ij.InshrinkSave(state_at(i), eval_fn=eval_fn))
+        mngr.wait_until_finished()
+    mngr.close()
+    assert cli.main(["inspect", str(tmp_path / "ckpt"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert all(isinstance(cli._degradation(f), float) for f in data.values())  # each save measured one
+    image = tmp_path / "plot.png"
+    assert cli.main(["plot", str(tmp_path / "ckpt"), "--out", str(image)]) == 0
+    assert f"{image}: bytes and degradation of 3 step(s)" in capsys.readouterr().out
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 20_000
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux, to run the command line in a terminal")
+def test_in_a_terminal_the_tables_and_progress_bars_render(root, tmp_path):
+    """inspect and verify in a real terminal (a tmux pane, 150 columns): verify's progress bar ends full, inspect's
+    table has its header rule and every step's row, and long key paths wrap inside their column."""
+    import time
+
+    sock, cmd = f"inshrink-{os.getpid()}", f"{sys.executable} -m inshrink_jax.cli"
+    script = tmp_path / "run.sh"
+    script.write_text(f"{cmd} verify {root}; {cmd} inspect {root}; {cmd} inspect {root} --step 2; "
+                      "echo INSHRINK-DONE; sleep 120\n")
+    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", "150", "-y", "80", f"bash {script}"], check=True)
+    try:
+        deadline, pane = time.monotonic() + 120, ""
+        while "INSHRINK-DONE" not in pane and time.monotonic() < deadline:
+            time.sleep(0.5)
+            pane = subprocess.run(["tmux", "-L", sock, "capture-pane", "-p", "-S", "-200"], capture_output=True,
+                                  text=True).stdout
+    finally:
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+    assert "INSHRINK-DONE" in pane, pane
+    assert "Traceback" not in pane, pane
+    assert re.search(r"^verify +━+ +3/3", pane, re.M), pane  # rich's bar, drawn to the end
+    assert re.search(r"^ step +kind +depth +stored +needs", pane, re.M) and "───────" in pane, pane
+    assert [m.group(1) for m in re.finditer(r"^ +(\d) +(?:keyframe|delta) ", pane, re.M)] == ["0", "1", "2", "2"]
+    assert "item 'default': 3 step(s) checked, all good" in pane
+    assert all(len(line) <= 150 for line in pane.splitlines())
