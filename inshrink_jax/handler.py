@@ -77,10 +77,23 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
       multiprocessing_options: Orbax's. `primary_host` writes the manifest and commits; `primary_host=None`
         (per-host local storage, as Orbax documents it) makes every process write a checkpoint of its own
         shards; `active_processes` are the processes that save.
+      save_concurrent_gb: as Orbax's `PyTreeCheckpointHandler`'s: the most GB (10^9 bytes) of this process's
+        shards in flight in a save's background write, from host copy to written (None: no bound). As with
+        Orbax, what save() copies before it returns (leaves stored exactly) is not counted.
+      restore_concurrent_gb: as Orbax's: the most GB of leaves a restore holds at once; with a bound it decodes
+        one leaf at a time, codes included (None: no bound; the codes of every leaf are decoded up front, in
+        parallel).
     """
 
     def __init__(self, config: CompressionConfig | None = None, *, base=None,
-                 multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions()):
+                 multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions(),
+                 save_concurrent_gb: float | None = None, restore_concurrent_gb: float | None = None):
+        for name, gb in (("save_concurrent_gb", save_concurrent_gb), ("restore_concurrent_gb", restore_concurrent_gb)):
+            if gb is not None and not gb > 0:
+                raise ValueError(f"InshrinkCheckpointHandler: {name} must be a positive number of GB or None, not "
+                                 f"{gb!r}")
+        self._save_bytes = None if save_concurrent_gb is None else int(save_concurrent_gb * 10**9)
+        self._restore_bytes = None if restore_concurrent_gb is None else int(restore_concurrent_gb * 10**9)
         self.config = config or CompressionConfig()
         self.base = None if base is None else BaseCheckpoint(base)
         self._multiprocessing = multiprocessing_options
@@ -134,8 +147,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
 
         async def commit():
             try:
-                result.set_result(save.write(dispatched, directory, object_id, state, cfg, process, count,
-                                             primary, self._threads))
+                result.set_result(await save.write(dispatched, directory, object_id, state, cfg, process, count,
+                                                   primary, self._threads, self._save_bytes))
             except BaseException as e:
                 result.set_exception(e)
                 raise
@@ -167,7 +180,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             else:
                 target = _with_restore_args(reader, target, args.restore_args)
         out = restore.restore(reader, target, self._threads, chained,
-                              partial=args is not None and args.partial_restore, leaf_targets=leaf_targets)
+                              partial=args is not None and args.partial_restore, leaf_targets=leaf_targets,
+                              concurrent_bytes=self._restore_bytes)
         # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
         # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
         # from its configuration.

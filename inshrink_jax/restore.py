@@ -17,18 +17,21 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from orbax.checkpoint._src import asyncio_utils
+from orbax.checkpoint._src.serialization import limits
 
 from inshrink_jax import quantize, records, store
 
 
 def restore(reader: store.Reader, target: Any, threads: int, chained: dict | None = None,
-            partial: bool = False, leaf_targets: dict | None = None) -> Any:
+            partial: bool = False, leaf_targets: dict | None = None, concurrent_bytes: int | None = None) -> Any:
     """The step item read by `reader`, restored into `target` (None: the saved tree as nested dicts and lists,
     arrays on the default device; else a tree of the saved structure whose leaves are arrays,
     `jax.ShapeDtypeStruct`s (with `sharding=` to restore into that layout), NumPy arrays or scalars).
     `chained`, if given, receives key path -> restored value of every leaf of a closed-loop chain. `partial`:
     the target may hold only some of the saved leaves (a subtree); only those are read. `leaf_targets`, without a
-    target: key path -> the target of that saved leaf, for the leaves that are not to go where they were saved."""
+    target: key path -> the target of that saved leaf, for the leaves that are not to go where they were saved.
+    `concurrent_bytes`: the most bytes of leaves held at once (Orbax's `restore_concurrent_gb`), or None."""
     if target is None:
         given, elsewhere = leaf_targets or {}, []
         flat, treedef, pairs = None, None, [(m, given[m.keystr] if m.keystr in given else saved_target(
@@ -48,11 +51,14 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
                              "an nnx.Optimizer's), then nnx.update(model, restored)")
         flat, treedef = records.flatten(target)
         pairs = match_target(reader, flat, partial)
-    decode_codes(reader, pairs, threads)
     # A target of None (a partial restore's subtree) or ... (Orbax's PLACEHOLDER) is not read: it stays as it is.
     reader.shared_values = {}
     try:  # leaf by leaf: a restore's peak memory is that of its largest leaf, not of several at once
-        values = [t if m is None else restore_leaf(reader, m, t) for m, t in pairs]
+        if concurrent_bytes is None:
+            decode_codes(reader, pairs, threads)
+            values = [t if m is None else restore_leaf(reader, m, t) for m, t in pairs]
+        else:
+            values = asyncio_utils.run_sync(_restore_limited(reader, pairs, concurrent_bytes))
     finally:
         reader.shared_values = None
     if chained is not None:  # as saved: the chain goes on from the exact reconstruction, before any cast
@@ -63,6 +69,25 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
         return jax.tree_util.tree_unflatten(treedef, values)
     with store.reading(reader.directory, "the tree of key paths"):
         return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
+
+
+async def _restore_limited(reader: store.Reader, pairs: list, concurrent_bytes: int) -> list:
+    """`restore_leaf` of each pair in turn, each leaf holding its bytes from Orbax's byte limiter (as Orbax's own
+    handlers take them), its codes decoded with it and dropped after it."""
+    limiter = limits.get_byte_limiter(concurrent_bytes)
+    ceiling = getattr(limiter, "max_bytes", None)
+    values = []
+    for m, t in pairs:
+        if m is None:
+            values.append(t)
+            continue
+        n = 0 if m.shape is None or m.dtype is None else \
+            int(np.prod(m.data_shape or m.shape)) * jnp.dtype(m.dtype).itemsize
+        async with limits.reserved_bytes(limiter, n if ceiling is None else min(n, ceiling - 1)):
+            values.append(restore_leaf(reader, m, t))
+            for key in [k for k in reader.codes_cache if k[0] == m.keystr]:
+                del reader.codes_cache[key]
+    return values
 
 
 def abstract_tree(reader: store.Reader) -> Any:

@@ -9,6 +9,8 @@ coding, write (DESIGN.md section 2).
 - `write` (Orbax's commit thread): host copies of the codes, deltas against the previous save's codes of the same
   shard (delta.py), entropy coding (codec.py), this process's blob, data file and offset table (store.py), and
   the manifest (primary host). It returns the `ItemState` the next save of the same (root, item) builds on.
+  With a bound on the bytes in flight (Orbax's `save_concurrent_gb`), each shard takes its bytes from Orbax's
+  byte limiter before its host copy and gives them back once it is written.
 
 State that outlives a save is an `ItemState` value, keyed by (root, item) by its owner (the handler), never
 shared between items.
@@ -16,7 +18,7 @@ shared between items.
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import dataclasses
 import re
 import time
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
+from orbax.checkpoint._src.serialization import limits
 
 from inshrink_jax import codec, delta, moments, policy, quantize, records, search, store
 from inshrink_jax.config import CompressionConfig, QuantConfig
@@ -445,26 +448,75 @@ def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_ev
     return {"codes": (*codes, extra), "protected": protected}, (enc.codes, enc.bins, depth)
 
 
-def write(d: Dispatched, directory, object_id: str, chain: ItemState, cfg: CompressionConfig,
-          process: int, process_count: int, primary: bool, threads: int) -> ItemState:
+def _payload_bytes(payload) -> int:
+    """Host bytes of one shard's payload: a host array, or a `DeviceCodes` shard tuple's arrays."""
+    parts = payload if isinstance(payload, tuple) else (payload,)
+    return sum(int(getattr(x, "nbytes", 0)) for x in parts)
+
+
+async def _encode_in_order(d: Dispatched, chain: ItemState, cfg: CompressionConfig, threads: int,
+                           concurrent_bytes: int | None, add: Callable) -> None:
+    """Encode every shard of `d` on up to `threads` threads and hand each to `add` in shard order (the blob's
+    layout does not depend on timing). With `concurrent_bytes`, a shard takes its payload's bytes from Orbax's
+    byte limiter (`limits.get_byte_limiter`, as Orbax's own handlers) before its host copy and gives them back
+    once `add` has written it; bytes are taken in shard order, so the earliest unwritten shard always holds
+    its bytes and the pipeline cannot stall. A shard larger than the limit goes through on its own."""
+    limiter = limits.get_byte_limiter(concurrent_bytes)
+    ceiling = getattr(limiter, "max_bytes", None)
+    threads_free = asyncio.Semaphore(threads)
+    turns = [asyncio.Event() for _ in range(len(d.shards) + 1)]
+    turns[0].set()
+
+    async def one(k: int, shard, n: int) -> None:
+        i, box, payload = shard
+        try:
+            async with threads_free:
+                encoded = await asyncio.to_thread(_encode_shard, d.records[i], box, payload, chain,
+                                                  cfg.keyframe_every, d.prior)
+            await turns[k].wait()
+            add(shard, *encoded)
+        finally:
+            turns[k + 1].set()
+            await limiter.release_bytes(n)
+
+    tasks = []
+    try:
+        for k, shard in enumerate(d.shards):
+            n = _payload_bytes(shard[2])
+            if ceiling is not None:
+                n = min(n, ceiling - 1)  # Orbax's limiter refuses a request of its whole limit
+            await limiter.wait_for_bytes(n)
+            tasks.append(asyncio.ensure_future(one(k, shard, n)))
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:  # after a failure: nothing keeps running behind the error
+            t.cancel()
+
+
+async def write(d: Dispatched, directory, object_id: str, chain: ItemState, cfg: CompressionConfig,
+                process: int, process_count: int, primary: bool, threads: int,
+                concurrent_bytes: int | None = None) -> ItemState:
     """The background part of a save (Orbax's commit thread): entropy-code and write this process's shards
     into the object `object_id` (deltas against `chain` where it allows), and the manifest on the primary
-    host. Returns the state the next save of this (root, item) builds on."""
-    for dev in d.devs:  # copies issued here, on the commit thread, so save() does not pay for issuing them
-        dev.start_copy_to_host()
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        results = list(pool.map(lambda t: _encode_shard(d.records[t[0]], t[1], t[2], chain, cfg.keyframe_every,
-                                                        d.prior), d.shards))
+    host. Returns the state the next save of this (root, item) builds on. `concurrent_bytes`: the most bytes of
+    shards in flight (host copy to written), None for no bound."""
+    if concurrent_bytes is None:
+        for dev in d.devs:  # copies issued here, on the commit thread, so save() does not pay for issuing them
+            dev.start_copy_to_host()
     root, item, _ = store.locate(directory)
     writer = store.BlobWriter(store.object_path(root, item, object_id), process)
     stored = {part: 0 for part in records.PARTS}
     links: dict = {}
-    for (i, box, _), (segments, link) in zip(d.shards, results):
+
+    def add(shard, segments, link) -> None:
+        i, box, _ = shard
         # A closed-loop link's segments all go with the code streams: later links are decoded through it.
         stored[d.records[i].part] += writer.add(d.records[i].keystr, box, segments,
                                                 chained=d.records[i].coding == records.CLOSED_LOOP)
         if link is not None:
             links[(d.records[i].keystr, store.box_key(box))] = link
+
+    await _encode_in_order(d, chain, cfg, threads, concurrent_bytes, add)
     depths = [depth for _, _, depth in links.values()] + [d.after["depth"] for i, _, _ in d.shards if (
         d.records[i].coding == records.CLOSED_LOOP and d.records[i].kind == "quantized")]
     writer.close(records.ProcessFigures(

@@ -43,8 +43,8 @@ def main(process_id: int, port: str, root: str) -> None:
     if process_id == 1:
         write = save.write
 
-        def write_then_die(*args, **kwargs):
-            write(*args, **kwargs)
+        async def write_then_die(*args, **kwargs):
+            await write(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
 
         save.write = write_then_die

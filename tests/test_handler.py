@@ -1,4 +1,5 @@
 import os
+import re
 import sys
 
 import jax
@@ -586,4 +587,5 @@ def test_steps_orbax_wrote_in_the_root_restore_and_the_run_goes_on(tmp_path, tra
     from inshrink_jax import cli
     assert cli.main(["inspect", str(tmp_path)]) == 0 and cli.main(["verify", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "1    orbax written by Orbax's own handler" in out and "NOTE step(s) 1: written by Orbax" in out
+    assert re.search(r"^ +1 +orbax +written by Orbax's own handler", out, re.M) and \
+        "NOTE step(s) 1: written by Orbax" in out

@@ -4,8 +4,8 @@ InshrinkCheckpointHandler through `ocp.Checkpointer` and `ocp.AsyncCheckpointer`
 The base builds Orbax's handlers itself; `ours` swaps each PyTree / Standard handler for ours (and a composite's
 items for ours, through `ij.handler_registry`), in lossless mode so that its exact-equality assertions apply:
 no leaf is large enough to quantize and the optimizer moments are stored as they are. Custom handlers (its
-legacy-API case) stay as they are. Skipped, each with its reason: what asserts Orbax's internal files or
-identity, and the concurrent-bytes limit, which inshrink_jax does not honour.
+legacy-API case) stay as they are; Orbax's concurrent-bytes limits are carried over to ours. Skipped, each with its
+reason: what asserts Orbax's internal files or identity.
 """
 
 import unittest
@@ -25,9 +25,17 @@ import inshrink_jax as ij  # noqa: E402
 LOSSLESS = ij.CompressionConfig(min_compress_size=2**62, optimizer="lossless")
 
 
+def _gb(handler, name: str):
+    n = getattr(handler, name, None)  # Orbax's handlers keep their limits in bytes
+    return None if n is None else n / 10**9
+
+
 def ours(handler):
-    if isinstance(handler, (ocp.PyTreeCheckpointHandler, ocp.StandardCheckpointHandler)):
-        return ij.InshrinkCheckpointHandler(LOSSLESS)
+    if isinstance(handler, ocp.StandardCheckpointHandler):
+        handler = handler._impl  # its PyTreeCheckpointHandler, which holds the limits
+    if isinstance(handler, ocp.PyTreeCheckpointHandler):
+        return ij.InshrinkCheckpointHandler(LOSSLESS, save_concurrent_gb=_gb(handler, "_save_concurrent_bytes"),
+                                            restore_concurrent_gb=_gb(handler, "_restore_concurrent_bytes"))
     if isinstance(handler, ocp.CompositeCheckpointHandler):
         return ocp.CompositeCheckpointHandler(
             handler_registry=ij.handler_registry(ij.InshrinkCheckpointHandler(LOSSLESS)))
@@ -49,12 +57,6 @@ class Conformance(checkpointer_test_utils.CheckpointerTestBase.Test):
     def test_save_with_failing_array_metadata_store_in_finalize(self):
         pass
 
-
-
-# One per parameter of Orbax's parameterized case.
-for _name in [n for n in dir(Conformance) if n.startswith("test_memory_limiting")]:
-    setattr(Conformance, _name, unittest.skip(
-        "save_concurrent_gb / restore_concurrent_gb are not honoured (docs/limitations.md)")(lambda self: None))
 
 
 class TestSync(Conformance):
