@@ -13,6 +13,7 @@ from inshrink_jax.handler import (InshrinkCheckpointHandler, InshrinkRestore, In
 from inshrink_jax.sensitivity import GradientEMA
 from inshrink_jax.store import CheckpointCorruptError
 from inshrink_jax.v1 import Compressed
+from inshrink_jax.v1 import registry as v1_registry
 
 __all__ = [
     "CheckpointCorruptError",
@@ -27,5 +28,6 @@ __all__ = [
     "enable_compilation_cache",
     "handler_registry",
     "restore_latest",
+    "v1_registry",
 ]
 __version__ = "0.1.0"

@@ -6,7 +6,13 @@ orbax-checkpoint 0.12 also `orbax.checkpoint.experimental.v1`).
     state = ckptr.load_checkpointables(step, {"state": ij.Compressed(abstract_state)})["state"].state
 
 `Compressed` is a v1 `StatefulCheckpointable`: Orbax calls its `save` and `load`, whatever the checkpointable's
-name, without any handler registration. Both run the v0 handler's pipeline (save.py, restore.py, store.py:
+name, without any handler registration. To keep v1 call sites that save plain pytrees (`ckptr.save(step, state)`,
+`ocp.v1.save_pytree`, `load`, `pytree_metadata`), `registry(config)` is v1's handler registry with Orbax's
+`PyTreeHandler` replaced by ours, for a `Context`:
+
+    with ocp.v1.Context(checkpointables_options=ocp.v1.options.CheckpointablesOptions(registry=ij.v1_registry(cfg))):
+        ckptr.save(step, state)            # compressed with cfg (no grads or eval_fn: magnitude, proxy search)
+        state = ckptr.load(step, abstract_state) Both run the v0 handler's pipeline (save.py, restore.py, store.py:
 the same files on disk, readable by either API and by `inshrink-jax`); only Orbax's protocol lives here.
 
 A delta chain needs the handler that wrote the last save (it holds that save's codes and reconstruction). v1
@@ -30,7 +36,9 @@ from typing import Any, Callable
 
 import jax
 
-from inshrink_jax import store
+from orbax.checkpoint.experimental.v1 import handlers as v1_handlers
+
+from inshrink_jax import restore, store
 from inshrink_jax.config import CompressionConfig
 from inshrink_jax.handler import InshrinkCheckpointHandler, InshrinkRestore, InshrinkSave
 
@@ -96,3 +104,50 @@ class Compressed:
             self.state = await asyncio.to_thread(handler.restore, directory, args)
 
         return restore()
+
+
+class PyTreeHandler(v1_handlers.PyTreeHandler):
+    """Orbax v1's `CheckpointableHandler` for pytrees, saving and loading through inshrink_jax (the pipeline of
+    `Compressed`) with the class's `config`; which pytrees it takes (`is_handleable`) is Orbax's `PyTreeHandler`'s
+    decision. v1 builds handlers from their class with no arguments, so `registry(config)` makes a subclass per
+    configuration."""
+
+    config: CompressionConfig = CompressionConfig()
+
+    async def save(self, directory, checkpointable):
+        return await Compressed(checkpointable, config=self.config).save(directory)
+
+    async def load(self, directory, abstract_checkpointable=None):
+        if abstract_checkpointable is not None:
+            self.validate_abstract_leaves_handleable(abstract_checkpointable)
+        box = Compressed(abstract_checkpointable, config=self.config, partial_restore=True)
+        loading = await box.load(directory)
+
+        async def loaded():
+            await loading
+            return box.state
+
+        return loaded()
+
+    async def metadata(self, directory):
+        """The saved tree with `jax.ShapeDtypeStruct` leaves in their saved shardings (a restore target)."""
+        return await asyncio.to_thread(lambda: restore.abstract_tree(store.Reader(directory)))
+
+
+def registry(config: CompressionConfig | None = None):
+    """v1's global handler registry with `PyTreeHandler` (of `config`) in place of Orbax's PyTreeHandler, under the
+    same names and typestrs (so pytrees Orbax's handler wrote still load, through our Orbax-written-step path):
+    for `ocp.v1.options.CheckpointablesOptions(registry=...)` in an `ocp.v1.Context`."""
+    ours = type("PyTreeHandler", (PyTreeHandler,), {"config": config or CompressionConfig(),
+                                                    "__module__": __name__})
+    glob = v1_handlers.global_registry()
+    out = v1_handlers.local_registry(include_global_registry=False)
+    for handler, name in glob.get_all_entries():
+        typestrs = list(glob.get_secondary_typestrs(handler) or [])
+        if isinstance(handler, type) and issubclass(handler, v1_handlers.PyTreeHandler):
+            typestrs.append(f"{handler.__module__}.{handler.__qualname__}")
+            handler = ours
+            if name is None and any(h is ours and n is None for h, n in out.get_all_entries()):
+                continue
+        out.add(handler, checkpointable_name=name, secondary_typestrs=typestrs or None)
+    return out
