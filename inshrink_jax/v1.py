@@ -130,8 +130,13 @@ class PyTreeHandler(v1_handlers.PyTreeHandler):
         return loaded()
 
     async def metadata(self, directory):
-        """The saved tree with `jax.ShapeDtypeStruct` leaves in their saved shardings (a restore target)."""
-        return await asyncio.to_thread(lambda: restore.abstract_tree(store.Reader(directory)))
+        """The saved tree with `jax.ShapeDtypeStruct` leaves in their saved shardings (a restore target); for a
+        pytree Orbax's own handler wrote (a run that moved to inshrink_jax), Orbax's metadata of it."""
+        try:
+            reader = await asyncio.to_thread(store.Reader, directory)
+        except store.OrbaxWrittenStep:
+            return await super().metadata(directory)
+        return await asyncio.to_thread(restore.abstract_tree, reader)
 
 
 def registry(config: CompressionConfig | None = None):
