@@ -50,7 +50,15 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
                              f"({type(target).__name__}); pass nnx.state(model) (what was saved: a module's, or "
                              "an nnx.Optimizer's), then nnx.update(model, restored)")
         flat, treedef = records.flatten(target)
-        pairs = match_target(reader, flat, partial)
+        try:
+            pairs = match_target(reader, flat, partial)
+        except ValueError as e:
+            if nnx is not None and isinstance(target, getattr(nnx, "State", ())):
+                raise ValueError(f"{str(e).rstrip('.')}. For Flax NNX: the target is nnx.state(...) of a model (and "
+                                 "optimizer) built as the saved one was (the same modules, sizes and variable types); "
+                                 "a model of another graph restores with InshrinkRestore() as nested dicts, to map "
+                                 "over yourself") from None
+            raise
     # A target of None (a partial restore's subtree) or ... (Orbax's PLACEHOLDER) is not read: it stays as it is.
     reader.shared_values = {}
     try:  # leaf by leaf: a restore's peak memory is that of its largest leaf, not of several at once

@@ -424,6 +424,9 @@ def test_a_live_nnx_module_as_target_says_to_pass_its_state(tmp_path):
     restored = mngr.restore(0, args=ij.InshrinkRestore(nnx.state(model)))
     nnx.update(model, restored)
     assert model.kernel[...].shape == (64, 32)
+    for other in (nnx.Linear(64, 16, rngs=nnx.Rngs(0)), nnx.Sequential(nnx.Linear(64, 32, rngs=nnx.Rngs(0)))):
+        with pytest.raises(ValueError, match=r"For Flax NNX: the target is nnx.state\(...\) of a model"):
+            mngr.restore(0, args=ij.InshrinkRestore(nnx.state(other)))  # another graph: says what to pass
 
 
 def test_restore_latest_falls_back_past_a_corrupted_latest_step(tmp_path):
