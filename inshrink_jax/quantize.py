@@ -195,7 +195,7 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     # One batched k-means for all tensors of the group (the iteration overhead is paid once), or the uniform
     # quantizer's levels (QuantConfig.step > 0).
     if uniform:
-        centres, widths = jax.vmap(lambda h: _uniform_levels(h, spec, bins, step, capacity))(counts)
+        centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins, step, capacity))(counts)
     else:
         centres = jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol,
                                                                  restarts=restarts, capacity=capacity))(counts, keys)
@@ -204,14 +204,14 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     for x, (x32, _, _, _), p, q, c, width, od in zip(xs, scored, protected, pruned, centres, widths, out_dtypes):
         # A uniform quantizer's value takes its cell (the level is the cell's mean, not necessarily the nearest
         # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
-        level = 1 + (_uniform_cell(x32, width, bins) if uniform else kmeans.assign(x32, c))
+        level = 1 + (uniform_cell(x32, width, bins) if uniform else kmeans.assign(x32, c))
         codes.append(jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8))
         in_place.append(jnp.where(p, _storage_values(x, od), jnp.zeros((), od)))
     used = jnp.arange(capacity) < bins
     return codes, [jnp.where(used, c, 0.0) for c in centres], in_place
 
 
-def _uniform_levels(counts, spec, bins, step, capacity):
+def uniform_levels(counts, spec, bins, step, capacity):
     """Levels of the uniform quantizer (QuantConfig.step) for the values behind a histogram: `bins` cells of width
     step * RMS, -M..bins-1-M with M = (bins - 1) // 2 (centred on 0 for odd `bins`), each level the mean of its
     cell's values (an empty cell keeps its centre); `capacity` slots ascending, the unused ones at +inf; and the
@@ -222,7 +222,7 @@ def _uniform_levels(counts, spec, bins, step, capacity):
     # (masked: the values of empty buckets reach float32's max, whose square overflows)
     rms = jnp.sqrt(jnp.sum(jnp.where(h > 0, h * values * values, 0.0)) / jnp.maximum(n, 1.0))
     width = jnp.where(rms > 0, step * rms, 1.0)
-    cell = _uniform_cell(values, width, bins)
+    cell = uniform_cell(values, width, bins)
     total = jax.ops.segment_sum(jnp.where(h > 0, h * values, 0.0), cell, num_segments=capacity)
     count = jax.ops.segment_sum(h, cell, num_segments=capacity)
     slots = jnp.arange(capacity)
@@ -231,7 +231,7 @@ def _uniform_levels(counts, spec, bins, step, capacity):
     return jnp.where(slots < bins, levels, jnp.inf), width
 
 
-def _uniform_cell(x, width, bins):
+def uniform_cell(x, width, bins):
     """0-based cell of each value of `x` for the uniform quantizer of `bins` cells of width `width` (values
     beyond the outer cells go to them)."""
     m = (bins - 1) // 2
