@@ -6,7 +6,7 @@ Usage: python benchmarks/moment_error.py [--workload charlm] [--steps 300] [--ou
 Trains a workload of bench_fidelity.py (the character transformer by default; `lstm`: the fine-tune of a
 pretrained character LSTM) for --steps steps, takes Adam's state of every kernel (the leaves inshrink_jax quantizes) and measures, summed over them:
   - `mu` coded by moments.py relative to sqrt(nu as stored) at several `moment_budget`s (what a checkpoint
-    stores; K levels chosen per tensor), on its own with K log-levels a sign (the coding of format versions <= 8),
+    stores: a uniform quantizer whose cell width, and so its number of cells, is chosen per tensor), on its own with K log-levels a sign (the coding of format versions <= 8),
     by uniform levels of `u = mu / sqrt(nu)` (the best step of a scan), or dropped;
   - `nu` coded by moments.py with K levels.
 Update error: ||u' - u||^2 / ||u||^2 with u' the update after decoding (eps 1e-8 as optax's default). Bits:
@@ -120,7 +120,7 @@ def main(argv=None):
                  f"{' --out ' + args.out if args.out else ''}`", "", f"{work.describe(cls.steps)}.", "",
              f"{len(pairs)} kernels, {n:,} values of each moment. Update error: ||u' - u||^2 / ||u||^2 of "
              "u = mu / sqrt(nu); bits: order-0 entropy of the codes a value (a stored delta of `nu` costs less).",
-             "", "| `mu` coded | update error | bits a value | levels per tensor |", "|---|---:|---:|---|"]
+             "", "| `mu` coded | update error | bits a value | levels (cells) per tensor |", "|---|---:|---:|---|"]
     lines += [f"| {k} | {e / t:.1%} | {b / n:.2f} | {' '.join(map(str, levels.get(k, ()))) or '-'} |"
               for k, (e, t, b) in rows_mu.items()]
     lines += ["", "| `nu` coded with | update error | bits a value (own codes) | step-size factor, 99th percentile |",

@@ -185,10 +185,10 @@ class CompressionConfig:
       moment_bins: log-magnitude levels of a quantized second moment (`nu`; in [2, 127]). 16: a second moment
         scales every update for hundreds of steps; at 8 or 4 levels 1% of a trained transformer's step sizes move
         by 2.3x or 5.1x (benchmarks/results/moment_error.md).
-      moment_budget: a quantized first moment (`mu`, `trace`) takes, per tensor at every save, the fewest
-        levels (2 to 16) of its ratio to the square root of its second moment whose squared error is at most
-        this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore gives it
-        (in [0, 1]; 0: always 16 levels). Smaller: more levels, more bytes. The error fades within
+      moment_budget: a quantized first moment (`mu`, `trace`) takes, per tensor at every save, the widest
+        cells of a uniform quantizer of its ratio to the square root of its second moment whose squared error is
+        at most this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore
+        gives it (in [0, 1]; 0: the cells of least error). Smaller: finer cells, more bytes. The error fades within
         ~1 / (1 - b1) steps of a restore. 0.1: an update off by about 30% in norm, for a few steps
         (docs/how-it-works.md, "How many levels", has the measurements).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)

@@ -139,8 +139,8 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
 
 
 # A first moment is encoded in three jitted steps, so compile time does not grow with the number of tensors:
-# its ratio and histogram (compiled per shape), the ladder's k-means on that histogram (whose shape is the sketch's:
-# compiled once), its codes (per shape).
+# its ratio and histogram (compiled per shape), the choice of cell width on that histogram (whose shape is the
+# sketch's: compiled once), its codes (per shape).
 @functools.partial(jax.jit, static_argnames=("spec",))
 def _ratio(m, s, wc, *, spec):
     """(ratio, 0 where not quantized; exact zeros; values stored exactly; the ratio's histogram) of a first
