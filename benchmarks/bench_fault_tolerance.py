@@ -28,8 +28,8 @@ Methods (baselines.py has the baseline formats):
   inshrink-acc-0.05, -acc-0.01    the same with the held-out accuracy as the eval_fn (higher_is_better=True)
   exact-drop, exact-dropmu        parameters stored losslessly, Adam's moments dropped (both, or mu only): what
                                   the optimizer policy alone costs
-  inshrink-opt-POLICY             epsilon 0.05 with optimizer=POLICY (lossless, quantize, quantize-coarse = nu
-                                  on a log grid of step 1.2, drop-mu = nu quantized and mu dropped by a rule)
+  inshrink-opt-POLICY             epsilon 0.05 with optimizer=POLICY (lossless, quantize, quantize8 = 8 moment
+                                  levels per sign, drop-mu = nu quantized and mu dropped by a policy rule)
 
 Figures per run: ratio = raw bytes / stored bytes summed over every save (deltas included) for the parameters
 and for the whole state (parameters + optimizer state + step); bytes written = new or changed files under the
@@ -66,7 +66,7 @@ RESUME_WINDOW = 10  # training steps after a resume whose loss is compared with 
 OPT_POLICIES = {
     "lossless": dict(optimizer="lossless"),
     "quantize": dict(optimizer="quantize"),
-    "quantize-coarse": dict(optimizer="quantize", moment_step=1.2),
+    "quantize8": dict(optimizer="quantize", moment_bins=8),
     "drop-mu": dict(optimizer="quantize", policy_rules=((r"\.mu\b", "drop"),)),
 }
 # The weights stored exactly, to measure what an optimizer policy alone costs.

@@ -23,7 +23,7 @@ no checkpoints); a method is "within noise" when its degradation is at most that
 
 Methods: inshrink (the default configuration: CompressionConfig() with a GradientEMA and the eval_fn),
 inshrink-rb<B> (residual_budget=B, the closed-loop size knob), inshrink-open (the paper's open-loop saves,
-closed_loop=False), inshrink[key=value;...] (any CompressionConfig fields, e.g. 'inshrink[moment_step=1.2]'),
+closed_loop=False), inshrink[key=value;...] (any CompressionConfig fields, e.g. 'inshrink[moment_bins=4]'),
 each also as inshrink-uniform... (residual_space=config.UNIFORM_RESIDUAL_SPACE, e.g. inshrink-uniform-rb0.4),
 and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
 """
@@ -143,7 +143,7 @@ def method(name: str):
 
 
 def overrides(spec: str) -> dict:
-    """`key=value;key=value` (Python literals) as CompressionConfig fields, e.g. `moment_step=1.2`; a dict for a
+    """`key=value;key=value` (Python literals) as CompressionConfig fields, e.g. `moment_bins=4`; a dict for a
     field whose default is a dataclass replaces those of its fields, e.g. `residual_space={"bins": (3,)}`."""
     out, defaults = {}, ft.ij.CompressionConfig()
     for item in filter(None, spec.split(";")):

@@ -174,7 +174,7 @@ class CompressionConfig:
         other metric's degradation is lower by more than this fraction of `epsilon`.
       quant: the configuration used when `search` is False.
       optimizer: policy for the optimizer's moments (optax `mu`, `nu`, `nu_max`, sgd momentum `trace`):
-        "quantize" (the default: a second moment on a log grid (`moment_step`), a first moment relative
+        "quantize" (the default: a second moment in log-domain levels (`moment_bins`), a first moment relative
         to the square root of its second moment as stored, within `moment_budget`; exact zeros kept; the
         first moment of a pruned weight is pruned with it; moments.py), "drop" (not stored, restored as zeros;
         an optax step counter `count` beside a dropped `nu` is dropped with it, so Adam's bias correction restarts with its
@@ -182,10 +182,9 @@ class CompressionConfig:
         Adam's moments at 10 restores of a character transformer ended +2.3% in loss (dropping only `mu`:
         +1.6%), a consistent loss though inside that model's three-seed noise of 3.75%
         (benchmarks/results/fault_tolerance_charlm_exact.md).
-      moment_step: the step, in log|nu|, of the grid a quantized second moment (`nu`) is stored on (in (0, 4)):
-        a value comes back within a factor exp(step / 2) of itself, Adam's step sizes within exp(step / 4).
-        0.6: within 1.35x and 1.16x. A second moment scales every update for hundreds of steps; on a trained
-        transformer 0.6 keeps every step size within 1.16x (benchmarks/results/moment_error.md).
+      moment_bins: log-magnitude levels of a quantized second moment (`nu`; in [2, 127]). 16: a second moment
+        scales every update for hundreds of steps; at 8 or 4 levels 1% of a trained transformer's step sizes move
+        by 2.3x or 5.1x (benchmarks/results/moment_error.md).
       moment_budget: a quantized first moment (`mu`, `trace`) takes, per tensor at every save, the widest
         cells of a uniform quantizer of its ratio to the square root of its second moment whose squared error is
         at most this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore
@@ -221,7 +220,7 @@ class CompressionConfig:
     metric_switch_margin: float = 0.2
     quant: QuantConfig = QuantConfig()
     optimizer: str = "quantize"
-    moment_step: float = 0.6
+    moment_bins: int = 16
     moment_budget: float = 0.1
     policy_rules: tuple[tuple[str, str], ...] = ()
 
@@ -236,11 +235,11 @@ class CompressionConfig:
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
                                      ("sigma", 0.0, 1.0, True), ("kmeans_tol", 0.0, math.inf, True),
                                      ("proxy_budget", 0.0, math.inf, True), ("residual_budget", 0.0, 1.0, True),
-                                     ("moment_budget", 0.0, 1.0, True), ("moment_step", 0.0, 4.0, False),
+                                     ("moment_budget", 0.0, 1.0, True),
                                      ("metric_switch_margin", 0.0, math.inf, True)):
             _real(name, getattr(self, name), lo, hi, closed)
         for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),
-                             ("keyframe_every", 1, None), ("search_batch", 1, None),
+                             ("keyframe_every", 1, None), ("search_batch", 1, None), ("moment_bins", 2, 127),
                              ("seed", None, None)):
             _integer(name, getattr(self, name), lo, hi)
         for name in ("search", "higher_is_better", "closed_loop"):

@@ -13,18 +13,14 @@ log domain, per tensor:
     codes K+1 .. 2K   positive values, level 0 (smallest |m|) first
     code 2K + 1       a non-finite value, stored exactly (the weights' "protected" code)
 
-The K levels, shared by both signs (a second moment of some optimizers may be signed), are a grid uniform in
-log|m|: level j is exp(s (lo + j)) with s = `CompressionConfig.moment_step`, over the grid points from the
-tensor's smallest to its largest |m| (lo is the smallest's grid index). A value takes the grid point nearest in
-log|m|, so it comes back within a factor exp(s / 2) of itself and Adam's step size within exp(s / 4), however
-the tensor's values spread, and the grid does not move between saves: a value keeps its code until it has moved
-by half a step, so the delta of `nu`'s codes against the previous save is mostly zeros. (Levels from k-means on
-the log histogram, refitted at every save, gave 1% of a trained transformer's step sizes a 1.36x error, some
-4.2x, and cost about 40% more bytes than this grid at s = 0.6; benchmarks/results/moment_error.md.) A tensor
-whose range needs more than `SECOND_CAPACITY` grid points merges neighbouring points (a coarser grid for it).
+K levels (`CompressionConfig.moment_bins`), shared by both signs (a second moment of some optimizers may be
+signed), are the centres of weighted k-means (kmeans.py) on log|m| over the log-bucket histogram of |m|
+(sketch.py: its buckets are uniform in log|m|, so it
+*is* the log-domain histogram), weighted by count only. A value takes the level nearest in log|m|, so its
+relative error is bounded by the gap between two neighbouring levels, never by the tensor's range.
 
 The output has the shape of the weights' encoder output (quantize.DeviceCodes with a value table of 2K
-entries instead of K centres, K per tensor and save), so deltas against the previous save, entropy coding, storage and decoding on
+entries instead of K centres), so deltas against the previous save, entropy coding, storage and decoding on
 restore are the ones of the weights: a restore maps codes through the table, bit-identical to `dequantize`.
 
 **First moments** (`encode_first_on_device`): what the update uses is the ratio r = mu / sqrt(nu_hat), with
@@ -54,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inshrink_jax import quantize, sketch
+from inshrink_jax import kmeans, quantize, sketch
 from inshrink_jax.config import CompressionConfig
-from inshrink_jax.quantize import PRUNED, DeviceCodes, protected_code
+from inshrink_jax.quantize import PRUNED, DeviceCodes, protected_code, seed_key
 
 # Which leaves are moments, and which are first moments, is policy.py's decision; which second moment a first
 # moment is coded relative to, save.py's. First moments follow their weight's pruning; second moments never do:
@@ -75,58 +71,71 @@ FIRST_CAPACITY = 63
 RATIO_SKETCH = sketch.SketchSpec(0.05)
 
 
-# The most grid points of a second moment per sign: codes 1..2K and the stored-exactly code 2K + 1 fit a byte.
-SECOND_CAPACITY = 126
+def table_size(bins: int) -> int:
+    """Entries of the value table of a moment quantized to `bins` levels per sign."""
+    return 2 * bins
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _encode_second(m, step, *, dtype):
-    """(uint8 codes, value table in 2 x `SECOND_CAPACITY` slots (the first 2K used), 2K, the non-finite values in
-    place) of one second moment on the log grid of `step` (see the module docstring)."""
-    m32 = m.astype(jnp.float32)
-    finite = jnp.isfinite(m32)
-    # Sign and zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal
-    # moment must keep its sign (and not become 0).
-    bits = jax.lax.bitcast_convert_type(m32, jnp.int32)
-    keep = finite & ((bits & 0x7FFFFFFF) != 0)
+@functools.partial(jax.jit, static_argnames=("bins", "spec", "iters", "tol", "restarts", "dtypes"))
+def _encode_moments(ms, key, *, bins, spec, iters, tol, restarts, dtypes):
+    reps = spec.representatives()
+    positive = reps > 0
+    # (buckets <= 0 take the smallest positive one's value, so the points are non-decreasing as k-means needs;
+    # their weight is 0)
+    log_reps = jnp.asarray(np.log(np.where(positive, reps, reps[positive].min())).astype(np.float32))
     tiny = np.float32(np.finfo(np.float32).tiny)
-    grid = jnp.round(jnp.log(jnp.maximum(jnp.abs(m32), tiny)) / step).astype(jnp.int32)
-    lo = jnp.min(jnp.where(keep, grid, jnp.iinfo(jnp.int32).max))
-    hi = jnp.max(jnp.where(keep, grid, jnp.iinfo(jnp.int32).min))
-    lo, hi = jnp.where(jnp.any(keep), lo, 0), jnp.where(jnp.any(keep), hi, 0)
-    merge = (hi - lo) // SECOND_CAPACITY + 1  # grid points per level (1 unless the range needs more than fit)
-    level = (grid - lo) // merge
-    k = (hi - lo) // merge + 1
-    code = jnp.where(bits < 0, k - level, k + 1 + level)
-    code = jnp.where(keep, code, PRUNED)
-    code = jnp.where(finite, code, protected_code(2 * k))
-    # Levels inside the leaf dtype's normal range: a non-zero moment never decodes to 0 or Inf.
-    info = jnp.finfo(dtype)
-    j = jnp.arange(SECOND_CAPACITY)
-    centre = (lo + j * merge).astype(jnp.float32) + (merge - 1).astype(jnp.float32) / 2
-    levels = jnp.clip(jnp.exp(step * centre), float(info.tiny), float(info.max))
-    slot = jnp.arange(2 * SECOND_CAPACITY)
-    table = jnp.where(slot < k, -levels[jnp.clip(k - 1 - slot, 0, SECOND_CAPACITY - 1)],
-                      jnp.where(slot < 2 * k, levels[jnp.clip(slot - k, 0, SECOND_CAPACITY - 1)], 0.0))
-    return code.astype(jnp.uint8), table, 2 * k, jnp.where(finite, jnp.zeros((), m.dtype), m)
+    prepared, hists = [], []
+    for m in ms:
+        m32 = m.astype(jnp.float32)
+        finite = jnp.isfinite(m32)
+        # Sign and zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal
+        # moment must keep its sign (and not become 0).
+        bits = jax.lax.bitcast_convert_type(m32, jnp.int32)
+        keep = finite & ((bits & 0x7FFFFFFF) != 0)
+        mag = jnp.abs(m32)
+        prepared.append((m, m32, finite, keep, bits < 0, mag))
+        hists.append(sketch.histogram(mag, spec, keep))
+    counts = jnp.stack(hists).astype(jnp.float32)
+    weights = jnp.where(positive, counts / jnp.maximum(jnp.max(counts, axis=1, keepdims=True), 1.0), 0.0)
+    keys = jax.random.split(key, len(ms))
+    centres = jax.vmap(lambda w, k: kmeans.weighted_kmeans(log_reps, w, bins, k, iters=iters, tol=tol,
+                                                           restarts=restarts))(weights, keys)
+    codes, tables, in_place = [], [], []
+    for (m, m32, finite, keep, negative, mag), c, dtype in zip(prepared, centres, dtypes):
+        # Levels inside the leaf dtype's normal range (before assignment, so each value still takes the nearest
+        # level it decodes to): a non-zero moment never decodes to 0 or Inf.
+        info = jnp.finfo(dtype)
+        c = jnp.clip(c, float(np.log(info.tiny)), float(np.log(info.max)))
+        level = kmeans.assign(jnp.log(jnp.maximum(mag, tiny)), c)
+        code = jnp.where(negative, bins - level, bins + 1 + level)
+        code = jnp.where(keep, code, PRUNED)
+        codes.append(jnp.where(finite, code, protected_code(table_size(bins))).astype(jnp.uint8))
+        levels = jnp.clip(jnp.exp(c), float(info.tiny), float(info.max))
+        tables.append(jnp.concatenate([-levels[::-1], levels]))
+        in_place.append(jnp.where(finite, jnp.zeros((), m.dtype), m))
+    return codes, tables, in_place
 
 
-def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig) -> list[DeviceCodes]:
-    """Quantize second moments on a log grid (see the module docstring), dispatched and not waited for.
+def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
+                     key: jax.Array | None = None) -> list[DeviceCodes]:
+    """Quantize second moments in the log domain (see the module docstring), dispatched and not waited for.
 
     Args:
-      ms: float tensors (float32, bfloat16, float16), any shape and sharding.
-      cfg: `moment_step`.
+      ms: non-negative float tensors (float32, bfloat16, float16), any shape and sharding.
+      cfg: `moment_bins`, and the k-means parameters.
+      key: PRNG key for k-means++; defaults to a fold of PRNGKey(cfg.seed).
 
     Returns:
-      One `DeviceCodes` per moment whose `centres` is the value table (2 x `SECOND_CAPACITY` slots) and whose
-      `bins`, the table's length 2K, is a device scalar.
+      One `DeviceCodes` per moment whose `centres` is the 2K-entry value table and whose `bins` is 2K.
     """
-    out = []
-    for m in ms:
-        codes, table, bins, in_place = _encode_second(m, np.float32(cfg.moment_step), dtype=jnp.dtype(m.dtype))
-        out.append(DeviceCodes(codes, table, in_place, bins))
-    return out
+    if not ms:
+        return []
+    key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
+    codes, tables, in_place = _encode_moments(
+        list(ms), key, bins=cfg.moment_bins, spec=sketch.SketchSpec(cfg.alpha),
+        iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
+        dtypes=tuple(jnp.dtype(m.dtype) for m in ms))
+    return [DeviceCodes(c, t, v, table_size(cfg.moment_bins)) for c, t, v in zip(codes, tables, in_place)]
 
 
 # A first moment is encoded in three jitted steps, so compile time does not grow with the number of tensors:
