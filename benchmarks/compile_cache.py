@@ -23,6 +23,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import report  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -95,11 +97,7 @@ def main(argv=None):
     for s, m in med.items():
         lines.append(f"| {s} | {m['restore_s']:.2f} | {m['save_blocking_s']:.2f} | {m['save_total_s']:.2f} | "
                      f"{m['save_blocking_s'] / base:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report.emit(lines, args.out)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -19,6 +19,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import report  # noqa: E402
 
 CHILD = r"""
 import json, logging, re, sys, tempfile, time
@@ -96,11 +98,7 @@ def main(argv=None):
         lines.append(f"| {r['layers']} | {r['tensors']} | {r['parameters']:,} | {s1['blocks_s']:.1f}, "
                      f"{s1['compile_s']:.1f} ({s1['compilations']}) | {s2['blocks_s']:.1f}, {s2['compile_s']:.1f} "
                      f"({s2['compilations']}) | {s3['blocks_s']:.2f} | {both:.1f}, {both / base:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    report.emit(lines, args.out)
 
 
 if __name__ == "__main__":
