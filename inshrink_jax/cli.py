@@ -121,13 +121,19 @@ def _item(root: str, steps: dict[int, str], item: str | None) -> str:
     steps: the one item of the object store)."""
     if _standalone(root):
         return "."
-    if item is not None:
-        return item
     found = set() if steps else set(_names(_join(root, store.OBJECTS)))
     for name in steps.values():
         for sub in _names(_join(root, name)):
             if epath.Path(_join(root, name, sub, store.MANIFEST)).exists():
                 found.add(sub)
+    if item is not None:
+        ours = item in found or any(epath.Path(_join(root, name, item, f)).exists() for name in steps.values()
+                                    for f in (store.COMMIT, store.ORBAX_METADATA))
+        if steps and not ours:  # no step holds any record of ours: another handler's item, not a damaged one
+            raise SystemExit(f"inshrink-jax: item {item!r} under {root} was not written by inshrink_jax (no step "
+                             f"holds its {store.MANIFEST} or {store.COMMIT}); its items written by inshrink_jax: "
+                             f"{sorted(found)}")
+        return item
     if len(found) == 1:
         return found.pop()
     if not found:

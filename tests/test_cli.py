@@ -349,3 +349,22 @@ def test_in_a_terminal_the_tables_and_progress_bars_render(root, tmp_path):
     assert [m.group(1) for m in re.finditer(r"^ +(\d) +(?:keyframe|delta) ", pane, re.M)] == ["0", "1", "2", "2"]
     assert "item 'default': 3 step(s) checked, all good" in pane
     assert all(len(line) <= 150 for line in pane.splitlines())
+
+
+def test_an_item_another_handler_wrote_is_named_as_such(tmp_path, capsys):
+    """`--item` naming a composite checkpoint's item that Orbax's JSON handler wrote: a clear refusal that lists
+    inshrink_jax's items, not 'manifest missing' problems; an item of ours with its manifest deleted is still
+    reported as damaged."""
+    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False))
+    mngr = ocp.CheckpointManager(tmp_path, item_names=("state", "meta"),
+                                 item_handlers={"state": handler, "meta": ocp.JsonCheckpointHandler()})
+    mngr.save(0, args=ocp.args.Composite(state=ij.InshrinkSave(state_at(0)), meta=ocp.args.JsonSave({"a": 1})))
+    mngr.wait_until_finished()
+    mngr.close()
+    for command in ("verify", "inspect"):
+        with pytest.raises(SystemExit, match=r"item 'meta' .* was not written by inshrink_jax .*\['state'\]"):
+            cli.main([command, str(tmp_path), "--item", "meta"])
+    assert cli.main(["verify", str(tmp_path), "--item", "state"]) == 0
+    (tmp_path / "0" / "state" / store.MANIFEST).unlink()
+    assert cli.main(["verify", str(tmp_path), "--item", "state"]) == 1
+    assert "manifest" in capsys.readouterr().out
