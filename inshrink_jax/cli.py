@@ -226,10 +226,10 @@ def _ratio(r) -> str:
 ORBAX_STEP = {"written_by": "orbax"}
 
 
-def _inspect_steps(root: str, step: int | None, item: str | None, what: str) -> tuple[dict, str, dict, dict]:
-    """(steps, item, step -> summary (or {"error": ...}, or ORBAX_STEP) with its `needs_bytes`, the root's bytes by
-    kind) of the chosen steps, with progress."""
-    steps = _steps(root)
+def _inspect_steps(root: str, steps: dict[int, str], step: int | None, item: str | None,
+                   what: str) -> tuple[str, dict, dict]:
+    """(item, step -> summary (or {"error": ...}, or ORBAX_STEP) with its `needs_bytes`, the root's bytes by kind) of
+    the chosen steps of `steps` (`_steps(root)`), with progress."""
     item = _item(root, steps, item)
     out = {}
     chosen = _select(steps, step, root)
@@ -245,7 +245,7 @@ def _inspect_steps(root: str, step: int | None, item: str | None, what: str) -> 
     needs, kinds = _disk_usage(root, item, out, steps)
     for s, n in needs.items():
         out[s]["needs_bytes"] = n
-    return steps, item, out, kinds
+    return item, out, kinds
 
 
 def _degradation(f: dict) -> float | None:
@@ -255,10 +255,11 @@ def _degradation(f: dict) -> float | None:
 
 
 def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int:
-    if not _steps(root) and step is None and epath.Path(_join(root, store.OBJECTS)).is_dir():
+    steps = _steps(root)
+    if not steps and step is None and epath.Path(_join(root, store.OBJECTS)).is_dir():
         print("{}" if as_json else f"{root}: no steps")
         return 0
-    steps, item, out, kinds = _inspect_steps(root, step, item, "inspect")
+    item, out, kinds = _inspect_steps(root, steps, step, item, "inspect")
     failed = int(any("error" in f for f in out.values()))  # exit 1 when a step cannot be read, as verify does
     if as_json:
         print(json.dumps({str(k): v for k, v in out.items()}, indent=1))
@@ -297,7 +298,7 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
     if step is not None and "error" not in out[step]:
         f = out[step]
         show(f"\nstep {step}: object {f['object']}, delta bases {f['bases'] or 'none (keyframe)'}; search "
-                   f"{f['search'].get('mode')}; sensitivity: {f['sensitivity']}", text=True)
+             f"{f['search'].get('mode')}; sensitivity: {f['sensitivity']}", text=True)
         if f["base_checkpoint"]:
             show(f"  weights stored as residuals against the base checkpoint {f['base_checkpoint']}", text=True)
         show(f"  raw bytes {f['raw_bytes']}, stored bytes {f['stored_bytes']}", text=True)
@@ -325,7 +326,7 @@ def plot(root: str, item: str | None, out: str) -> int:
         import matplotlib.pyplot as plt
     except ImportError:
         raise SystemExit("inshrink-jax plot needs matplotlib: pip install 'inshrink-jax[plot]'") from None
-    _, item, data, kinds = _inspect_steps(root, None, item, "plot")
+    item, data, kinds = _inspect_steps(root, _steps(root), None, item, "plot")
     good = {s: f for s, f in data.items() if "error" not in f and f is not ORBAX_STEP}
     if not good:
         raise SystemExit(f"inshrink-jax: no step of {root} can be read; nothing to plot (run verify)")
@@ -344,9 +345,9 @@ def plot(root: str, item: str | None, out: str) -> int:
     measured = [(s, _degradation(f)) for s, f in good.items() if _degradation(f) is not None]
     if measured:
         bottom.plot([s for s, _ in measured], [100 * d for _, d in measured], "o-", label="measured (eval_fn)")
-        eps = [f["config"].get("epsilon") for f in good.values()]
-        if eps[-1] is not None:
-            bottom.axhline(100 * eps[-1], color="red", ls="--", label=f"epsilon {eps[-1]:g}")
+        eps = list(good.values())[-1]["config"].get("epsilon")  # the latest save's
+        if eps is not None:
+            bottom.axhline(100 * eps, color="red", ls="--", label=f"epsilon {eps:g}")
         bottom.legend(fontsize=8)
     else:
         bottom.text(0.5, 0.5, "no save measured a degradation (saved without an eval_fn)", ha="center",

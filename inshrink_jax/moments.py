@@ -32,7 +32,8 @@ the log domain, 2 levels a sign gave a fine-tuned LSTM's update a squared error 
 (benchmarks/results/moment_error_lstm.md). A first moment without a second moment of its shape beside it (SGD
 momentum's `trace`, Lion's `mu`) is coded the same way with sqrt(nu_hat) = 1: its update is linear in it.
 The ratio is quantized uniformly with its cells' means as levels (an entropy-coded uniform quantizer: at the same
-squared error it takes about 20% fewer bits than k-means levels, benchmarks/results/moment_error.md): cells of
+squared error it takes about 10% fewer bits than k-means levels, and 16-22% fewer at the same budget;
+benchmarks/results/moment_error.md): cells of
 width w centred on zero, as many as the ratio's range needs (at most `FIRST_CAPACITY`). w is chosen per tensor at
 every save, on the device, as the widest of `FIRST_STEPS` (times the ratio's RMS) whose squared update error,
 measured on the ratio's histogram (`RATIO_SKETCH`), is at most `CompressionConfig.moment_budget` of the

@@ -133,6 +133,13 @@ class Leaf:
     mesh: dict | None = None
     scale_leaf: str | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """Raw bytes of the leaf's values (its key data for a PRNG key; 0 for a scalar)."""
+        if self.shape is None or self.dtype is None:
+            return 0
+        return int(np.prod(self.data_shape or self.shape)) * jax.numpy.dtype(self.dtype).itemsize
+
     def to_json(self) -> dict:
         d = _drop_none(dataclasses.asdict(self))
         if self.kind == "scalar":

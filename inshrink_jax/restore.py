@@ -89,9 +89,7 @@ async def _restore_limited(reader: store.Reader, pairs: list, concurrent_bytes: 
         if m is None:
             values.append(t)
             continue
-        n = 0 if m.shape is None or m.dtype is None else \
-            int(np.prod(m.data_shape or m.shape)) * jnp.dtype(m.dtype).itemsize
-        async with limits.reserved_bytes(limiter, n if ceiling is None else min(n, ceiling - 1)):
+        async with limits.reserved_bytes(limiter, m.nbytes if ceiling is None else min(m.nbytes, ceiling - 1)):
             values.append(restore_leaf(reader, m, t))
             for key in [k for k in reader.codes_cache if k[0] == m.keystr]:
                 del reader.codes_cache[key]

@@ -537,7 +537,6 @@ def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manif
         recs[i] = dataclasses.replace(recs[i], bins=bins, centres=records.float32_list(np.asarray(dev.centres)[:bins]))
     raw = {part: 0 for part in records.PARTS}
     for r in recs:
-        if r.shape is not None:
-            raw[r.part] += int(np.prod(r.data_shape or r.shape)) * jnp.dtype(r.dtype).itemsize
+        raw[r.part] += r.nbytes
     return records.Manifest(store.FORMAT, store.FORMAT_VERSION, process_count, object_id, recs, raw_bytes=raw,
                             **d.manifest)

@@ -6,14 +6,21 @@ orbax-checkpoint 0.12 also `orbax.checkpoint.experimental.v1`).
     state = ckptr.load_checkpointables(step, {"state": ij.Compressed(abstract_state)})["state"].state
 
 `Compressed` is a v1 `StatefulCheckpointable`: Orbax calls its `save` and `load`, whatever the checkpointable's
-name, without any handler registration. To keep v1 call sites that save plain pytrees (`ckptr.save(step, state)`,
-`ocp.v1.save_pytree`, `load`, `pytree_metadata`), `registry(config)` is v1's handler registry with Orbax's
-`PyTreeHandler` replaced by ours, for a `Context`:
+name, without any handler registration. Both run the v0 handler's pipeline (save.py, restore.py, store.py: the
+same files on disk, readable by either API and by `inshrink-jax`); only Orbax's protocol lives here.
 
-    with ocp.v1.Context(checkpointables_options=ocp.v1.options.CheckpointablesOptions(registry=ij.v1_registry(cfg))):
+To keep v1 call sites that save plain pytrees, `registry(config)` is v1's handler registry with Orbax's
+`PyTreeHandler` replaced by ours (`PyTreeHandler` below), for a `Context`:
+
+    ctx = ocp.v1.Context()
+    ctx.checkpointables.registry = ij.v1_registry(cfg)
+    with ctx:
         ckptr.save(step, state)            # compressed with cfg (no grads or eval_fn: magnitude, proxy search)
-        state = ckptr.load(step, abstract_state) Both run the v0 handler's pipeline (save.py, restore.py, store.py:
-the same files on disk, readable by either API and by `inshrink-jax`); only Orbax's protocol lives here.
+        state = ckptr.load(step, abstract_state)
+
+`ckptr.metadata(step)`, and a load that must find the pytree's name by itself, do not work on these steps: v1
+recognises a pytree by Orbax's own `_METADATA` file, which is not written; `checkpointables_metadata(step)` and
+`load_checkpointables(step)` name it.
 
 A delta chain needs the handler that wrote the last save (it holds that save's codes and reconstruction). v1
 checkpointers make their handlers per call, so this module keeps one `InshrinkCheckpointHandler` per (root, item,
@@ -120,6 +127,8 @@ class PyTreeHandler(v1_handlers.PyTreeHandler):
     async def load(self, directory, abstract_checkpointable=None):
         if abstract_checkpointable is not None:
             self.validate_abstract_leaves_handleable(abstract_checkpointable)
+        # v1 loads part of a pytree by giving an abstract tree of that part (Orbax's partial load): a target that
+        # leaves keys out restores the leaves it names, as `InshrinkRestore(partial_restore=True)`.
         box = Compressed(abstract_checkpointable, config=self.config, partial_restore=True)
         loading = await box.load(directory)
 
