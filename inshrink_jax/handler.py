@@ -83,17 +83,34 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
       restore_concurrent_gb: as Orbax's: the most GB of leaves a restore holds at once; with a bound it decodes
         one leaf at a time, codes included (None: no bound; the codes of every leaf are decoded up front, in
         parallel).
+      background: run a save's configuration search and encoders after save() returns, in Orbax's commit
+        thread, on a device copy of the state (`save.snapshot`) taken before it returns; save() then blocks
+        only for planning and that copy, and the training loop goes on while the search (its eval_fn calls
+        included) and the first save's compilation run. Costs one more copy of the saved state on its
+        device(s) while a save is in flight. None (default): in the background when this is the only process
+        and every array of the state and grads lives on one device; otherwise on the caller's thread, because
+        the encoders of sharded arrays run cross-device collectives, and collectives launched from two threads
+        (training's and the save's) may be queued in different orders on different devices and deadlock.
+        True forces it (a single-device state only); False keeps it on the caller's thread. In the background,
+        eval_fn is called from another thread while training runs (it must not share mutable state with the
+        training loop, such as a data iterator), and its errors (a non-numeric value: TypeError) surface at
+        the next save() or wait_until_finished(), as Orbax's background errors do; the step is then not
+        committed.
     """
 
     def __init__(self, config: CompressionConfig | None = None, *, base=None,
                  multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions(),
-                 save_concurrent_gb: float | None = None, restore_concurrent_gb: float | None = None):
+                 save_concurrent_gb: float | None = None, restore_concurrent_gb: float | None = None,
+                 background: bool | None = None):
         for name, gb in (("save_concurrent_gb", save_concurrent_gb), ("restore_concurrent_gb", restore_concurrent_gb)):
             if gb is not None and not gb > 0:
                 raise ValueError(f"InshrinkCheckpointHandler: {name} must be a positive number of GB or None, not "
                                  f"{gb!r}")
         self._save_bytes = None if save_concurrent_gb is None else int(save_concurrent_gb * 10**9)
         self._restore_bytes = None if restore_concurrent_gb is None else int(restore_concurrent_gb * 10**9)
+        if background not in (None, True, False):
+            raise TypeError(f"InshrinkCheckpointHandler: background must be None, True or False, not {background!r}")
+        self._background = background
         self.config = config or CompressionConfig()
         self.base = None if base is None else BaseCheckpoint(base)
         self._multiprocessing = multiprocessing_options
@@ -122,6 +139,18 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
             state = state.choices()
         return state
 
+    def _in_background(self, plan: save.Plan) -> bool:
+        """Whether this save's search and encoders run after save() returns (see `background`)."""
+        one_device = all(len(x.sharding.device_set) == 1 for x in [*plan.leaves, *plan.grads]
+                         if isinstance(x, jax.Array))
+        if self._background is None:
+            return jax.process_count() == 1 and one_device
+        if self._background and not (jax.process_count() == 1 and one_device):
+            raise ValueError("InshrinkCheckpointHandler(background=True) needs a single-process job whose state "
+                             "and grads are each on one device (sharded encoders run collectives, which must "
+                             "not be launched from two threads); use background=None or False")
+        return self._background
+
     async def async_save(self, directory, args: "InshrinkSave" = None, **kwargs):
         args = _save_args(args)
         started = time.perf_counter()
@@ -130,24 +159,34 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         process, count, primary = self._process()
         state = self._state(root, item)
         try:
+            save.check_eval_fn(cfg, args.eval_fn)
             plan = save.plan(args.state, args.grads, args.labels, cfg, self.base)
             if self.base is not None:
                 self.base.check(directory)
             offsets = [self.base.values(plan.base_of[i], plan.leaves[i]) if i in plan.base_of else None
                        for i in plan.weights]
-            dispatched = save.dispatch(plan, cfg, args.eval_fn, state, offsets,
-                                       self.base.describe() if self.base else None, primary, started)
+            base_info = self.base.describe() if self.base else None
+            if self._in_background(plan):
+                plan, dispatched = save.snapshot(plan), None
+            else:
+                dispatched = save.dispatch(plan, cfg, args.eval_fn, state, offsets, base_info, primary, started)
         except Exception:
             if primary:
                 _discard_temporary(directory)
             raise
+        blocking = time.perf_counter() - started
         object_id = store.new_object_id(root, item, step)
         result: concurrent.futures.Future = concurrent.futures.Future()
         self._states[(str(root), item)] = (state, result)
 
         async def commit():
             try:
-                result.set_result(await save.write(dispatched, directory, object_id, state, cfg, process, count,
+                d = dispatched
+                if d is None:  # the search and the encoders, on the snapshot, off the caller's thread
+                    d = await asyncio.to_thread(save.dispatch, plan, cfg, args.eval_fn, state, offsets, base_info,
+                                                primary, started)
+                    d = dataclasses.replace(d, blocking=blocking)
+                result.set_result(await save.write(d, directory, object_id, state, cfg, process, count,
                                                    primary, self._threads, self._save_bytes))
             except BaseException as e:
                 result.set_exception(e)

@@ -142,6 +142,25 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
                 records.empty_containers(state), grads is not None)
 
 
+def snapshot(p: Plan) -> Plan:
+    """`p` with copies of its arrays (leaves and gradients: device arrays copied on their devices with their
+    shardings, numpy arrays on the host), so the search and the encoders can run after save() returns: the
+    caller may then overwrite or donate what it passed. The copies are dispatched, not waited for."""
+    def copies(xs: list) -> list:
+        out = list(xs)
+        idx = [i for i, x in enumerate(xs) if isinstance(x, jax.Array)]
+        if idx:
+            copied = jax.device_put([xs[i] for i in idx], [xs[i].sharding for i in idx], may_alias=False)
+            for i, c in zip(idx, copied):
+                out[i] = c
+        for i, x in enumerate(xs):
+            if isinstance(x, np.ndarray):
+                out[i] = np.array(x, copy=True)
+        return out
+
+    return dataclasses.replace(p, leaves=copies(p.leaves), grads=copies(p.grads))
+
+
 def auto_axes(x):
     """`x` on the same devices and layout with its mesh's axes made Auto: the kernels index, scatter and reduce
     whole tensors, which JAX refuses on Explicit axes (`jax.make_mesh`'s default) without per-op shardings. The
@@ -385,6 +404,16 @@ def _lossless_shards(leaves: list, recs: list[records.Leaf], primary: bool) -> l
     return out
 
 
+def check_eval_fn(cfg: CompressionConfig, eval_fn) -> None:
+    """Refuse an eval_fn the configuration would never call (on the caller's thread, before anything runs)."""
+    if eval_fn is not None and not cfg.search:
+        raise ValueError("InshrinkSave(eval_fn=...) is given but CompressionConfig(search=False): the "
+                         "configuration is fixed, so eval_fn would never be called. Drop eval_fn, or "
+                         "enable the search.")
+    if eval_fn is not None and not callable(eval_fn):
+        raise TypeError(f"InshrinkSave(eval_fn=...) must be a callable of the state, not {type(eval_fn).__name__}")
+
+
 def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, residual: bool = False):
     """(configuration or None for lossless, its encoded leaves if the search made them, the search's record,
     the choice the next save's search starts from). `residual`: a closed-loop residual save (the search runs
@@ -392,10 +421,6 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
     if not p.weights:
         return cfg.quant, None, {"mode": "none (no compressed leaves)"}, previous
     if not cfg.search:
-        if eval_fn is not None:
-            raise ValueError("InshrinkSave(eval_fn=...) is given but CompressionConfig(search=False): the "
-                             "configuration is fixed, so eval_fn would never be called. Drop eval_fn, or "
-                             "enable the search.")
         return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,

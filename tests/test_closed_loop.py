@@ -132,7 +132,7 @@ def test_a_lossless_save_is_an_exact_root(tmp_path):
     mngr = manager(tmp_path, search=True, quant=ij.QuantConfig())
     with pytest.warns(UserWarning, match="no quantization configuration meets"):
         mngr.save(0, args=ij.InshrinkSave(states[0], eval_fn=quality))
-    mngr.wait_until_finished()
+        mngr.wait_until_finished()
     leaf = store.Reader(tmp_path / "0" / "default").leaves["['w']"]
     assert (leaf.kind, leaf.coding) == ("array", records.CLOSED_LOOP)
     harsh["on"] = False
@@ -209,11 +209,14 @@ def test_eval_fn_outcomes_at_residual_saves_and_recovery_across_a_resume(tmp_pat
     value["v"] = float("nan")
     with pytest.warns(UserWarning, match="cannot be measured"):
         mngr.save(2, args=ij.InshrinkSave(states[2], eval_fn=quality))
-    mngr.wait_until_finished()
+        mngr.wait_until_finished()
     assert mngr.item_metadata(2)["quant"] is None
     value["v"] = "good"
+    other = manager(tmp_path / "other", search=True)
     with pytest.raises(TypeError, match="eval_fn must return one real number"):
-        manager(tmp_path / "other", search=True).save(0, args=ij.InshrinkSave(states[0], eval_fn=quality))
+        other.save(0, args=ij.InshrinkSave(states[0], eval_fn=quality))
+        other.wait_until_finished()  # the search runs in the background: its error surfaces here
+    assert other.all_steps() == []
     value["v"] = 1.0
     resumed = manager(tmp_path, search=True, quant=ij.QuantConfig())
     restored = resumed.restore(2, args=ij.InshrinkRestore(states[2]))

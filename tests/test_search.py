@@ -252,6 +252,7 @@ def test_epsilon_zero_never_accepts_a_degradation(tmp_path, run):
     mngr = manager(tmp_path, epsilon=0.0)
     with pytest.warns(UserWarning, match="no quantization configuration meets epsilon=0.0"):
         mngr.save(0, args=ij.InshrinkSave(state, eval_fn=distance))
+        mngr.wait_until_finished()
     for step in (0, 1):
         if step:
             mngr.save(step, args=ij.InshrinkSave(state, eval_fn=distance))
@@ -276,6 +277,7 @@ def test_eval_fn_must_return_a_real_number(tmp_path, value):
     mngr = manager(tmp_path)
     with pytest.raises(TypeError, match="eval_fn must return one real number"):
         mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 32))}}, eval_fn=lambda s: value))
+        mngr.wait_until_finished()  # the search runs in the background: its error surfaces here
     assert mngr.all_steps() == []
 
 
@@ -289,7 +291,7 @@ def test_a_non_finite_eval_fn_makes_only_that_save_lossless(tmp_path, run, bad):
     with pytest.warns(UserWarning, match=f"eval_fn returned {bad} for the uncompressed state"):
         mngr.save(0, args=ij.InshrinkSave(state, grads=grads,
                                           eval_fn=lambda s: next(answers, None) or eval_fn(s)))
-    mngr.wait_until_finished()
+        mngr.wait_until_finished()
     fig = mngr.item_metadata(0)
     assert fig["search"]["mode"] == "unmeasured" and fig["quant"] is None and fig["search"]["eval_fn_calls"] == 1
     mngr.save(1, args=ij.InshrinkSave(state, grads=grads, eval_fn=eval_fn))
@@ -302,7 +304,9 @@ def test_a_constant_eval_fn_or_an_inverted_direction_is_warned_about(tmp_path, r
     state, _, val = run
     grads = None
     with pytest.warns(UserWarning, match="does not seem to depend on the state"):
-        manager(tmp_path / "a").save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=lambda s: 0.25))
+        m = manager(tmp_path / "a")
+        m.save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=lambda s: 0.25))
+        m.wait_until_finished()
     reference = jax.tree.map(np.asarray, state.params)
 
     def negated_distance(s):  # a "loss" that falls as the state moves away: the direction is inverted
@@ -310,7 +314,9 @@ def test_a_constant_eval_fn_or_an_inverted_direction_is_warned_about(tmp_path, r
                                                                    jax.tree.leaves(reference)))
 
     with pytest.warns(UserWarning, match="Is the direction right"):
-        manager(tmp_path / "b").save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=negated_distance))
+        m = manager(tmp_path / "b")
+        m.save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=negated_distance))
+        m.wait_until_finished()
 
 
 def test_a_fallback_recovers_across_a_resume(tmp_path, run):
@@ -331,7 +337,7 @@ def test_a_fallback_recovers_across_a_resume(tmp_path, run):
     mngr = manager(tmp_path)
     with pytest.warns(UserWarning, match="no quantization configuration meets"):
         mngr.save(0, args=ij.InshrinkSave(state, grads=grads, eval_fn=quality))
-    mngr.wait_until_finished()
+        mngr.wait_until_finished()
     assert mngr.item_metadata(0)["quant"] is None
     harsh["on"] = False
     resumed = manager(tmp_path)  # a new process: restores step 0 (lossless), then saves
