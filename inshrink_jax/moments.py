@@ -77,8 +77,11 @@ def table_size(bins: int) -> int:
     return 2 * bins
 
 
-@functools.partial(jax.jit, static_argnames=("bins", "spec", "iters", "tol", "restarts", "dtypes"))
-def _encode_moments(ms, key, *, bins, spec, iters, tol, restarts, dtypes):
+@functools.partial(jax.jit, static_argnames=("buckets", "bins", "spec", "iters", "tol", "restarts", "dtypes"))
+def _encode_moments(ms, key, *, buckets, bins, spec, iters, tol, restarts, dtypes):
+    """Codes, value tables and in-place exact values of second moments; moments alike (`quantize.buckets`) are
+    stacked and encoded by one vmapped pass, so the compiled program grows with the number of distinct shapes,
+    not of tensors."""
     reps = spec.representatives()
     positive = reps > 0
     # (buckets <= 0 take the smallest positive one's value, so the points are non-decreasing as k-means needs;
@@ -86,7 +89,8 @@ def _encode_moments(ms, key, *, bins, spec, iters, tol, restarts, dtypes):
     log_reps = jnp.asarray(np.log(np.where(positive, reps, reps[positive].min())).astype(np.float32))
     tiny = np.float32(np.finfo(np.float32).tiny)
     prepared, hists = [], []
-    for m in ms:
+    for b in buckets:
+        m = quantize.stacked([ms[i] for i in b])
         m32 = m.astype(jnp.float32)
         finite = jnp.isfinite(m32)
         # Sign and zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal
@@ -94,26 +98,31 @@ def _encode_moments(ms, key, *, bins, spec, iters, tol, restarts, dtypes):
         bits = jax.lax.bitcast_convert_type(m32, jnp.int32)
         keep = finite & ((bits & 0x7FFFFFFF) != 0)
         mag = jnp.abs(m32)
-        prepared.append((m, m32, finite, keep, bits < 0, mag))
-        hists.append(sketch.histogram(mag, spec, keep))
-    counts = jnp.stack(hists).astype(jnp.float32)
+        prepared.append((m, finite, keep, bits < 0, mag))
+        hists.append(jax.vmap(lambda v, k: sketch.histogram(v, spec, k))(mag, keep))
+    counts = jnp.concatenate(hists).astype(jnp.float32)
+    order = [i for b in buckets for i in b]  # the moment of each row of `counts`
     weights = jnp.where(positive, counts / jnp.maximum(jnp.max(counts, axis=1, keepdims=True), 1.0), 0.0)
-    keys = jax.random.split(key, len(ms))
+    keys = jax.random.split(key, len(ms))[np.asarray(order)]
     centres = jax.vmap(lambda w, k: kmeans.weighted_kmeans(log_reps, w, bins, k, iters=iters, tol=tol,
                                                            restarts=restarts))(weights, keys)
-    codes, tables, in_place = [], [], []
-    for (m, m32, finite, keep, negative, mag), c, dtype in zip(prepared, centres, dtypes):
+    codes, tables, in_place = [None] * len(ms), [None] * len(ms), [None] * len(ms)
+    row = 0
+    for b, (m, finite, keep, negative, mag) in zip(buckets, prepared):
         # Levels inside the leaf dtype's normal range (before assignment, so each value still takes the nearest
         # level it decodes to): a non-zero moment never decodes to 0 or Inf.
-        info = jnp.finfo(dtype)
-        c = jnp.clip(c, float(np.log(info.tiny)), float(np.log(info.max)))
-        level = kmeans.assign(jnp.log(jnp.maximum(mag, tiny)), c)
+        info = jnp.finfo(dtypes[b[0]])
+        c = jnp.clip(centres[row:row + len(b)], float(np.log(info.tiny)), float(np.log(info.max)))
+        level = jax.vmap(kmeans.assign)(jnp.log(jnp.maximum(mag, tiny)), c)
         code = jnp.where(negative, bins - level, bins + 1 + level)
         code = jnp.where(keep, code, PRUNED)
-        codes.append(jnp.where(finite, code, protected_code(table_size(bins))).astype(jnp.uint8))
+        code = jnp.where(finite, code, protected_code(table_size(bins))).astype(jnp.uint8)
         levels = jnp.clip(jnp.exp(c), float(info.tiny), float(info.max))
-        tables.append(jnp.concatenate([-levels[::-1], levels]))
-        in_place.append(jnp.where(finite, jnp.zeros((), m.dtype), m))
+        table = jnp.concatenate([-levels[:, ::-1], levels], axis=1)
+        values = jnp.where(finite, jnp.zeros((), m.dtype), m)
+        for j, i in enumerate(b):
+            codes[i], tables[i], in_place[i] = code[j], table[j], values[j]
+        row += len(b)
     return codes, tables, in_place
 
 
@@ -133,7 +142,7 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
         return []
     key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
     codes, tables, in_place = _encode_moments(
-        list(ms), key, bins=cfg.moment_bins, spec=sketch.SketchSpec(cfg.alpha),
+        list(ms), key, buckets=quantize.buckets(ms), bins=cfg.moment_bins, spec=sketch.SketchSpec(cfg.alpha),
         iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
         dtypes=tuple(jnp.dtype(m.dtype) for m in ms))
     return [DeviceCodes(c, t, v, table_size(cfg.moment_bins)) for c, t, v in zip(codes, tables, in_place)]

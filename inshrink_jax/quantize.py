@@ -159,30 +159,47 @@ def times_scale(r: jax.Array, exact: jax.Array, scale: jax.Array, dtype) -> jax.
 
 
 @functools.partial(
-    jax.jit, static_argnames=("prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity", "out_dtypes",
-                              "uniform")
+    jax.jit, static_argnames=("buckets", "prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity",
+                              "out_dtypes", "uniform")
 )
-def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, key, *, prunable,
-                  spec, sigma, iters, tol, restarts, capacity, out_dtypes, uniform):
+def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, key, *, buckets,
+                  prunable, spec, sigma, iters, tol, restarts, capacity, out_dtypes, uniform):
     """Codes, centres (`capacity` slots, the first `bins` used) and in-place protected values of the tensors of
     one layer type (they share the prune threshold). The configuration is traced, not static, so one compiled
     kernel serves every candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search
     space never mixes the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its
-    residual x - offset (its prune and protect scores are then those of the change against the offset)."""
-    xs = [x if off is None else residual(x, off) for x, off in zip(xs, offsets)]
-    scored = [_scores(x, g) for x, g in zip(xs, gs)]
+    residual x - offset (its prune and protect scores are then those of the change against the offset).
+
+    `buckets` (static) partitions the tensors into groups of the same shape, dtypes, sharding and kind (see
+    `buckets`): each group is stacked on a leading axis and its per-tensor passes (protect thresholds,
+    histograms, codes) run once, vmapped, so the compiled program grows with the number of distinct tensor
+    shapes, not with the number of tensors (a 24-layer transformer has 390 parameter tensors of a dozen
+    shapes). Integer counts and thresholds make the result identical to encoding the tensors one by one."""
+    def per_tensor(a):  # every axis but the stacking one
+        return tuple(range(1, a.ndim))
+
+    def top(score, finite, k):
+        return threshold.kth_largest([score], [finite], k).select(score)
+
+    groups = []  # per bucket: the values encoded (x, or the residual x - offset), the gradients or None
+    for b in buckets:
+        x = stacked([xs[i] for i in b])
+        off = None if offsets[b[0]] is None else stacked([offsets[i] for i in b])
+        groups.append((x if off is None else residual(x, off), None if gs[b[0]] is None else stacked([gs[i] for i in b])))
+    scored = [_scores(x, g) for x, g in groups]
     protected = []
-    for (x32, finite, mag, sens), g in zip(scored, gs):
-        k = _round_count(protect_fraction, jnp.sum(finite.astype(jnp.int32)))
-        p = threshold.kth_largest([mag], [finite], k).select(mag)
+    for (x32, finite, mag, sens), (_, g) in zip(scored, groups):
+        k = _round_count(protect_fraction, jnp.sum(finite.astype(jnp.int32), axis=per_tensor(finite)))
+        p = jax.vmap(top)(mag, finite, k)
         if g is not None:
-            p = p | threshold.kth_largest([sens], [finite], k).select(sens)
+            p = p | jax.vmap(top)(sens, finite, k)
         protected.append(p | ~finite)
 
     metric = [(jnp.where(use_sensitivity, sens, mag) if g is not None else mag)
-              for (_, _, mag, sens), g in zip(scored, gs)]
-    candidates = [~p & can for p, can in zip(protected, prunable)]
-    if any(prunable):
+              for (_, _, mag, sens), (_, g) in zip(scored, groups)]
+    can_prune = [prunable[b[0]] for b in buckets]
+    candidates = [~p & can for p, can in zip(protected, can_prune)]
+    if any(can_prune):
         n = sum(jnp.sum(c.astype(jnp.int32)) for c in candidates)
         keep, _ = threshold.kth_smallest_complement(metric, candidates, _round_count(prune_fraction, n))
         pruned = [c & ~keep.select(m) for c, m in zip(candidates, metric)]
@@ -190,8 +207,10 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
         pruned = [jnp.zeros_like(p) for p in protected]
 
     quantized = [~p & ~q for p, q in zip(protected, pruned)]
-    counts = jnp.stack([sketch.histogram(x32, spec, m) for (x32, _, _, _), m in zip(scored, quantized)])
-    keys = jax.random.split(key, len(xs))
+    counts = jnp.concatenate([jax.vmap(lambda x, m: sketch.histogram(x, spec, m))(x32, m)
+                              for (x32, _, _, _), m in zip(scored, quantized)])
+    order = [i for b in buckets for i in b]  # the tensor of each row of `counts`
+    keys = jax.random.split(key, len(xs))[np.asarray(order)]
     # One batched k-means for all tensors of the group (the iteration overhead is paid once), or the uniform
     # quantizer's levels (QuantConfig.step > 0).
     if uniform:
@@ -200,15 +219,46 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
         centres = jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol,
                                                                  restarts=restarts, capacity=capacity))(counts, keys)
         widths = jnp.zeros(len(xs), jnp.float32)
-    codes, in_place = [], []
-    for x, (x32, _, _, _), p, q, c, width, od in zip(xs, scored, protected, pruned, centres, widths, out_dtypes):
+    used = jnp.arange(capacity) < bins
+    codes, levels, in_place = [None] * len(xs), [None] * len(xs), [None] * len(xs)
+    row = 0
+    for b, (x, _), (x32, _, _, _), p, q in zip(buckets, groups, scored, protected, pruned):
+        c, width = centres[row:row + len(b)], widths[row:row + len(b)]
         # A uniform quantizer's value takes its cell (the level is the cell's mean, not necessarily the nearest
         # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
-        level = 1 + (uniform_cell(x32, width, bins) if uniform else kmeans.assign(x32, c))
-        codes.append(jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8))
-        in_place.append(jnp.where(p, _storage_values(x, od), jnp.zeros((), od)))
-    used = jnp.arange(capacity) < bins
-    return codes, [jnp.where(used, c, 0.0) for c in centres], in_place
+        level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
+                     else jax.vmap(kmeans.assign)(x32, c))
+        code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
+        od = out_dtypes[b[0]]
+        values = jnp.where(p, _storage_values(x, od), jnp.zeros((), od))
+        for j, i in enumerate(b):
+            codes[i], in_place[i], levels[i] = code[j], values[j], jnp.where(used, c[j], 0.0)
+        row += len(b)
+    return codes, levels, in_place
+
+
+def buckets(*columns: Sequence) -> tuple[tuple[int, ...], ...]:
+    """Indices of the tensors a jitted encoder stacks together (`_encode_group`, moments' encoder): those alike
+    in every column, where each column gives one entry per tensor: an array (alike: the same shape, dtype and
+    sharding), None, or a hashable value (alike: equal). In order of first appearance."""
+    def sig(a):
+        if not isinstance(a, (jax.Array, np.ndarray)):
+            return a
+        try:
+            sharding = a.sharding if isinstance(a, jax.Array) else None
+        except Exception:  # noqa: BLE001 (a tracer without a sharding: shape and dtype decide)
+            sharding = None
+        return a.shape, jnp.dtype(a.dtype), sharding
+
+    out: dict = {}
+    for i, row in enumerate(zip(*columns)):
+        out.setdefault(tuple(sig(a) for a in row), []).append(i)
+    return tuple(tuple(b) for b in out.values())
+
+
+def stacked(arrs: Sequence[jax.Array]) -> jax.Array:
+    """Tensors of one bucket (`buckets`) on a new leading axis (inside a jitted encoder)."""
+    return arrs[0][None] if len(arrs) == 1 else jnp.stack(arrs)
 
 
 def uniform_levels(counts, spec, bins, step, capacity):
@@ -336,15 +386,17 @@ def encode_on_device(
         bins = quant.bins_for(kind)
         if bins > cfg.bins_capacity:
             raise ValueError(f"{bins} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
+        gxs, ggs, goffs = [xs[i] for i in idx], [gs[i] for i in idx], [offsets[i] for i in idx]
+        prunable = tuple(xs[i].ndim >= 2 for i in idx)
+        out_dtypes = tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
+                           for i in idx)
         codes, centres, in_place = _encode_group(
-            [xs[i] for i in idx], [gs[i] for i in idx], [offsets[i] for i in idx], np.int32(bins),
-            np.bool_(quant.prune_metric == "sensitivity"),
+            gxs, ggs, goffs, np.int32(bins), np.bool_(quant.prune_metric == "sensitivity"),
             np.float32(quant.protect_fraction), np.float32(quant.prune_fraction), np.float32(quant.step),
             seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
-            prunable=tuple(xs[i].ndim >= 2 for i in idx), spec=spec, sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters,
-            tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity, uniform=quant.step > 0,
-            out_dtypes=tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
-                             for i in idx),
+            buckets=buckets(gxs, ggs, goffs, prunable, out_dtypes), prunable=prunable, spec=spec,
+            sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol,
+            restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity, uniform=quant.step > 0, out_dtypes=out_dtypes,
         )
         for i, c, cen, v in zip(idx, codes, centres, in_place):
             out[i] = DeviceCodes(c, cen, v, bins, offsets[i])

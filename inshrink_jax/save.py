@@ -3,9 +3,12 @@ coding, write (DESIGN.md section 2).
 
 - `plan` (caller's thread): every leaf's manifest entry from its policy (policy.py), the leaves to quantize,
   their gradients, layer types and base-checkpoint matches.
-- `dispatch` (caller's thread): the configuration (search.py, or the fixed one), the jitted encoders of weights
-  (quantize.py) and moments (moments.py) dispatched but not waited for, and host copies of the lossless leaves.
-  Nothing reads the caller's arrays after it returns: a training loop may donate them.
+- `dispatch`: the configuration (search.py, or the fixed one), the jitted encoders of weights (quantize.py) and
+  moments (moments.py) dispatched but not waited for, and host copies of the lossless leaves. On the caller's
+  thread, nothing reads the caller's arrays after it returns: a training loop may donate them. Or, for a state on
+  one device in one process, on Orbax's commit thread after save() returned, on the `snapshot` (a device copy of
+  the plan's arrays) that save() dispatched: the search and its eval_fn calls then run while training goes on
+  (the handler decides which; its `background` argument).
 - `write` (Orbax's commit thread): host copies of the codes, deltas against the previous save's codes of the same
   shard (delta.py), entropy coding (codec.py), this process's blob, data file and offset table (store.py), and
   the manifest (primary host). It returns the `ItemState` the next save of the same (root, item) builds on.
