@@ -118,14 +118,26 @@ UNIFORM_RESIDUAL_SPACE = SearchSpace(bins=(5,), embedding_bins=(5,), prune_fract
                                      prune_metrics=("magnitude",), steps=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0))
 
 
+# The data-free budgets per unit of epsilon, when a CompressionConfig leaves them at None (epsilon is the one
+# knob). At the default epsilon 0.01: residual saves within 0.2 of the residual's squared error (chosen on the
+# fidelity workloads; 0.1 and 0.7 are measured beside it in docs/results.md) and first moments within 0.3 of the
+# update's (a first moment's error lasts a few steps after a restore, a residual's until training moves the
+# weight).
+RESIDUAL_PER_EPSILON = 20.0
+MOMENT_PER_EPSILON = 30.0
+
+
 @dataclasses.dataclass(frozen=True)
 class CompressionConfig:
     r"""Every parameter of the method (ALGORITHM.md), with the paper's values as defaults.
 
     Attributes:
-      epsilon: quality budget of one save: largest accepted relative degradation of the eval metric against the
-        uncompressed state at the same step (keyframes are searched under it; a closed-loop residual save's
-        choice is checked against it).
+      epsilon: the quality knob. The quality budget of one save: the largest accepted relative degradation of
+        the eval metric against the uncompressed state at the same step (keyframes are searched under it; a
+        closed-loop residual save's choice is checked against it). The data-free budgets left at None follow it
+        (`effective_residual_budget`, `effective_moment_budget`, `effective_proxy_budget`), so one number steers
+        every part of a save: larger, smaller checkpoints with a larger error. 0.01 (the default): within the
+        noise of the four fidelity workloads after 10 restores (docs/results.md).
       alpha: relative accuracy of the log-bucket sketch (gamma = (1 + alpha) / (1 - alpha)).
       sigma: k-means bucket weight = sigma * normalised count + (1 - sigma) * normalised |value|.
       kmeans_iters: maximum number of weighted Lloyd iterations.
@@ -159,7 +171,8 @@ class CompressionConfig:
         into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
         interval's change of the weights: the knob of the residual saves' size (smaller: more levels or less
         pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
-        the least aggressive one is taken: a residual save is never lossless.
+        the least aggressive one is taken: a residual save is never lossless. In [0, 1]; None (the default):
+        `RESIDUAL_PER_EPSILON` (20) times `epsilon`, at most 1 (0.2 at the default epsilon).
       search: pick the configuration at every save under the quality budget `epsilon` (ALGORITHM.md step 5,
         docs/how-it-works.md); False saves every checkpoint with `quant`.
       search_space: the values the search may pick.
@@ -169,7 +182,8 @@ class CompressionConfig:
       search_batch: candidates encoded and evaluated per round of the search (their device work overlaps).
       proxy_budget: without an eval_fn, a candidate is accepted when its sensitivity-weighted relative
         reconstruction error sum(g^2 (w - w_q)^2) / sum(g^2 w^2) (g = 1 without grads) is at most this
-        (the data-free fallback; docs/how-it-works.md says how the default was chosen).
+        (the data-free fallback; docs/how-it-works.md says how the default was chosen). None (the default):
+        `epsilon`.
       metric_switch_margin: at a later save, the previous configuration switches its prune metric when the
         other metric's degradation is lower by more than this fraction of `epsilon`.
       quant: the configuration used when `search` is False.
@@ -189,8 +203,10 @@ class CompressionConfig:
         cells of a uniform quantizer of its ratio to the square root of its second moment whose squared error is
         at most this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore
         gives it (in [0, 1]; 0: the cells of least error). Smaller: finer cells, more bytes. The error fades within
-        ~1 / (1 - b1) steps of a restore. 0.1: an update off by about 30% in norm, for a few steps
-        (docs/how-it-works.md, "How many levels", has the measurements).
+        ~1 / (1 - b1) steps of a restore. None (the default): `MOMENT_PER_EPSILON` (30) times `epsilon`, at
+        most 1: 0.3 at the default epsilon, an update off by about 55% in norm for a few steps (docs/results.md
+        has what it did to the fidelity workloads; docs/how-it-works.md, "How many levels", the error
+        measurements).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
         before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
         everything else: "lossless"); e.g. ((r"\.nu\b", "quantize"), (r"\.mu\b", "drop")) or
@@ -211,18 +227,35 @@ class CompressionConfig:
     keyframe_every: int = 32
     closed_loop: bool = True
     residual_space: SearchSpace = RESIDUAL_SPACE
-    residual_budget: float = 0.2
+    residual_budget: float | None = None
     search: bool = True
     search_space: SearchSpace = SearchSpace()
     higher_is_better: bool = False
     search_batch: int = 4
-    proxy_budget: float = 0.01
+    proxy_budget: float | None = None
     metric_switch_margin: float = 0.2
     quant: QuantConfig = QuantConfig()
     optimizer: str = "quantize"
     moment_bins: int = 16
-    moment_budget: float = 0.1
+    moment_budget: float | None = None
     policy_rules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def effective_residual_budget(self) -> float:
+        """What closed-loop residual saves are searched under: `residual_budget`, or `RESIDUAL_PER_EPSILON *
+        epsilon` (at most 1) when it is None."""
+        return _following(self.residual_budget, RESIDUAL_PER_EPSILON * self.epsilon)
+
+    @property
+    def effective_moment_budget(self) -> float:
+        """What first moments are coded within: `moment_budget`, or `MOMENT_PER_EPSILON * epsilon` (at most 1)
+        when it is None."""
+        return _following(self.moment_budget, MOMENT_PER_EPSILON * self.epsilon)
+
+    @property
+    def effective_proxy_budget(self) -> float:
+        """What a search without eval_fn accepts: `proxy_budget`, or `epsilon` when it is None."""
+        return _following(self.proxy_budget, self.epsilon, hi=math.inf)
 
     @property
     def bins_capacity(self) -> int:
@@ -234,10 +267,11 @@ class CompressionConfig:
     def __post_init__(self):
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
                                      ("sigma", 0.0, 1.0, True), ("kmeans_tol", 0.0, math.inf, True),
-                                     ("proxy_budget", 0.0, math.inf, True), ("residual_budget", 0.0, 1.0, True),
-                                     ("moment_budget", 0.0, 1.0, True),
                                      ("metric_switch_margin", 0.0, math.inf, True)):
             _real(name, getattr(self, name), lo, hi, closed)
+        for name, hi in (("residual_budget", 1.0), ("moment_budget", 1.0), ("proxy_budget", math.inf)):
+            if getattr(self, name) is not None:
+                _real(name, getattr(self, name), 0.0, hi, True)
         for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),
                              ("keyframe_every", 1, None), ("search_batch", 1, None), ("moment_bins", 2, 127),
                              ("seed", None, None)):
@@ -257,6 +291,11 @@ class CompressionConfig:
                             "SearchSpaces")
         _rules("policy_rules", self.policy_rules, POLICIES)
         _rules("layer_type_rules", self.layer_type_rules, LAYER_TYPES)
+
+
+def _following(value: float | None, derived: float, hi: float = 1.0) -> float:
+    """A budget as given, or (None) derived from epsilon, at most `hi`."""
+    return value if value is not None else min(hi, derived)
 
 
 def _real(name: str, value, lo: float, hi: float, closed: bool) -> None:

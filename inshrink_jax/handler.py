@@ -254,7 +254,7 @@ class InshrinkSave(ocp.args.CheckpointArgs):
         for the configuration search: a candidate is accepted when its relative degradation against the
         uncompressed state at the same step is at most `CompressionConfig.epsilon`. Called on the thread that
         calls `save()`, once for the uncompressed state and once per candidate. None: the search uses the
-        data-free proxy (`CompressionConfig.proxy_budget`), and the figures say so.
+        data-free proxy (`CompressionConfig.proxy_budget`, epsilon unless set), and the figures say so.
       labels: per-leaf policies that override the defaults (policy.py): a callable `(key path, leaf) ->
         "quantize" | "lossless" | "drop" | None`, or a tree with the structure of `state` (or a prefix of it)
         whose leaves are such policies or None.

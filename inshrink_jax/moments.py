@@ -36,7 +36,7 @@ squared error it takes about 10% fewer bits than k-means levels, and 16-22% fewe
 benchmarks/results/moment_error.md): cells of
 width w centred on zero, as many as the ratio's range needs (at most `FIRST_CAPACITY`). w is chosen per tensor at
 every save, on the device, as the widest of `FIRST_STEPS` (times the ratio's RMS) whose squared update error,
-measured on the ratio's histogram (`RATIO_SKETCH`), is at most `CompressionConfig.moment_budget` of the
+measured on the ratio's histogram (`RATIO_SKETCH`), is at most `CompressionConfig.effective_moment_budget` of the
 update's (the least error of them if none is): the same bound on every model, with no data needed. Codes are the
 weights' (quantize.py): 0 an exact zero (a zero moment, or the first moment of a weight pruned at this save), 1..K
 the cells ascending, K + 1 a value stored exactly (non-finite, or where nu_hat is 0 or not finite).
@@ -215,7 +215,7 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
         restore gives back for it), or None (coded as it is).
       weight_codes: for each, the codes of its weight at this save (its zeros where the weight was pruned are
         zeros of the moment), or None.
-      cfg: `moment_budget`.
+      cfg: its `effective_moment_budget`.
 
     Returns:
       One `DeviceCodes` per moment: `centres` the cells' levels in `FIRST_CAPACITY` slots (the first `bins`
@@ -229,7 +229,7 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
     out = []
     for m, s, wc in zip(ms, scales, weight_codes):
         r, zero, exact, hist = _ratio(m, s, wc, spec=RATIO_SKETCH)
-        levels, cells, width = _widths(hist, np.float32(cfg.moment_budget), spec=RATIO_SKETCH)
+        levels, cells, width = _widths(hist, np.float32(cfg.effective_moment_budget), spec=RATIO_SKETCH)
         codes, table, in_place = _codes(m, r, zero, exact, levels, cells, width)
         out.append(DeviceCodes(codes, table, in_place, cells, scale=s))
     return out

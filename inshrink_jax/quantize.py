@@ -359,7 +359,8 @@ def encode_on_device(
 ) -> list[DeviceCodes]:
     """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
     compiled once per state structure and kind of levels (k-means or uniform), whatever else `quant` is (its
-    k-means has `cfg.bins_capacity` slots).
+    k-means has `cfg.bins_capacity` slots; a uniform quantizer has as many slots as that or its bins, if more:
+    `search.FINE_KEYFRAME_BINS`).
 
     Args:
       xs: float arrays (float32, bfloat16, float16), any shape and sharding.
@@ -384,7 +385,9 @@ def encode_on_device(
     for t, kind in enumerate(sorted(set(layer_types))):
         idx = [i for i, lt in enumerate(layer_types) if lt == kind]
         bins = quant.bins_for(kind)
-        if bins > cfg.bins_capacity:
+        # A uniform quantizer's levels are cell means (no k-means), so its slots can follow its bins.
+        capacity = max(cfg.bins_capacity, bins) if quant.step > 0 else cfg.bins_capacity
+        if bins > capacity:
             raise ValueError(f"{bins} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
         gxs, ggs, goffs = [xs[i] for i in idx], [gs[i] for i in idx], [offsets[i] for i in idx]
         prunable = tuple(xs[i].ndim >= 2 for i in idx)
@@ -396,7 +399,7 @@ def encode_on_device(
             seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
             buckets=buckets(gxs, ggs, goffs, prunable, out_dtypes), prunable=prunable, spec=spec,
             sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol,
-            restarts=cfg.kmeans_restarts, capacity=cfg.bins_capacity, uniform=quant.step > 0, out_dtypes=out_dtypes,
+            restarts=cfg.kmeans_restarts, capacity=capacity, uniform=quant.step > 0, out_dtypes=out_dtypes,
         )
         for i, c, cen, v in zip(idx, codes, centres, in_place):
             out[i] = DeviceCodes(c, cen, v, bins, offsets[i])

@@ -434,7 +434,7 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
                       "searches again from the last configuration.", stacklevel=4)
         return None, None, record, previous
     if outcome.quant is None and previous != search.LOSSLESS:
-        budget = f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.proxy_budget}"
+        budget = f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.effective_proxy_budget}"
         warnings.warn(f"no quantization configuration meets {budget} (the least aggressive one degrades by "
                       f"more); this save stores the parameters losslessly. Each later save checks the least "
                       f"aggressive configuration and compresses again once it meets the budget. A larger budget, "

@@ -151,7 +151,8 @@ class Outcome:
         state: this save is lossless, the next one searches from the previous choice); for a closed-loop
         residual save (`choose`) also "guarded" (eval_fn over epsilon: the least aggressive configuration, or
         finer ones beyond the residual space) and
-        "least aggressive" (nothing met residual_budget).
+        "least aggressive" (nothing met residual_budget); for any other save also "fine" (nothing in the
+        search space met the budget, a fine uniform quantizer did: `_fine_keyframe`).
       evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
       rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
       payload: the evaluator's payload for the chosen candidate (the handler's encoded device arrays).
@@ -430,10 +431,12 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
 
     `residual`: a closed-loop residual save (`offsets` are the previous reconstruction). Its search runs over
     `cfg.residual_space` with the data-free proxy against the residual (`proxy_degradation` with the offsets
-    as references, unweighted) under `cfg.residual_budget`: no eval_fn call per candidate. With an eval_fn, the chosen
+    as references, unweighted) under `cfg.effective_residual_budget`: no eval_fn call per candidate. With an eval_fn, the chosen
     candidate is then measured once; if it degrades by more than `cfg.epsilon`, the least aggressive residual
     configuration is measured and taken unless it measured worse (`_guard`). A residual save is never lossless:
-    when no configuration meets the budget, the least aggressive one is taken (mode "least aggressive").
+    when no configuration meets the budget, the least aggressive one is taken (mode "least aggressive"). Any
+    other save whose search space has nothing within its budget tries a fine uniform quantizer before the
+    parameters are stored losslessly (`_fine_keyframe`).
 
     An eval_fn value that is not a real number is a TypeError. A non-finite value for the uncompressed state
     gives mode UNMEASURED (nothing evaluated; the caller stores this save losslessly); one for a candidate makes
@@ -452,7 +455,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
                           offsets=offsets, residual=residual)
-    budget = cfg.residual_budget if residual else cfg.epsilon if eval_fn is not None else cfg.proxy_budget
+    budget = cfg.effective_residual_budget if residual else cfg.epsilon if eval_fn is not None \
+        else cfg.effective_proxy_budget
     checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True) \
         if residual and eval_fn is not None else evaluator
     proxy = None
@@ -469,6 +473,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
             top = cube.config(cube.top, metrics[0])
             [(d, payload)] = evaluator([top])
             outcome = Outcome(top, d, "least aggressive", outcome.evaluations + 1, outcome.rounds + 1, payload)
+        if not residual and outcome.quant is None:
+            outcome = _fine_keyframe(evaluator, outcome, budget, cube.config(cube.top, metrics[0]))
         if checker is not evaluator:
             proxy = outcome.degradation
             outcome = _guard(checker, outcome, cube.config(cube.top, metrics[0]), cfg.epsilon, cfg.bins_capacity)
@@ -519,6 +525,30 @@ def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: fl
         best = Outcome(q, dq, "guarded", evaluations, rounds, pq) if dq < best.degradation else \
             dataclasses.replace(best, mode="guarded", evaluations=evaluations, rounds=rounds)
     return best
+
+
+FINE_KEYFRAME_BINS = 254  # the most levels a uint8 code holds beside pruned and protected
+FINE_KEYFRAME_STEPS = (0.125, 0.05)  # cells of the fallback's uniform quantizer, times the tensor's RMS
+
+
+def _fine_keyframe(evaluate: "Evaluator", outcome: Outcome, budget: float, top: QuantConfig) -> Outcome:
+    """When no configuration of the search space meets the budget, the entropy-coded uniform quantizer
+    (QuantConfig.step) at `FINE_KEYFRAME_BINS` cells, first of 1/8 then of 1/20 of each tensor's RMS (range
+    +-16 and +-6 RMS, the outer cells taking what lies beyond; `top`'s protect fraction keeps the largest
+    weights exact), each measured like any candidate, before the parameters are stored losslessly (mode
+    "fine"). Its error is 3.6% or 1.4% of a weight's RMS at about 5 or 6.5 bits a weight, where lossless float32
+    takes about 27: a pretrained model fine-tuned under a tight epsilon, whose first save met no configuration
+    of the paper's space (32 levels at most), stored half of its run's parameter bytes in that lossless save
+    (docs/results.md). Closed loop, the next saves' residuals refine it like any keyframe."""
+    evaluations, rounds = outcome.evaluations, outcome.rounds
+    for step in FINE_KEYFRAME_STEPS:
+        q = dataclasses.replace(top, bins=FINE_KEYFRAME_BINS, embedding_bins=FINE_KEYFRAME_BINS, prune_fraction=0.0,
+                                step=step)
+        [(d, payload)] = evaluate([q])
+        evaluations, rounds = evaluations + 1, rounds + 1
+        if math.isfinite(d) and d <= budget:
+            return Outcome(q, d, "fine", evaluations, rounds, payload)
+    return dataclasses.replace(outcome, evaluations=evaluations, rounds=rounds)
 
 
 def _finer(q: QuantConfig, factor: int) -> QuantConfig:

@@ -135,9 +135,11 @@ def test_a_tiny_first_moment_beside_a_tiny_second_moment_keeps_its_update():
     nu = rng.uniform(0.5, 2.0, size=(128, 64)).astype(np.float32) * 1e-4
     nu[:4] *= 1e-12
     mu = (rng.standard_normal(nu.shape) * np.sqrt(nu) * 0.3).astype(np.float32)
+    budget = ij.CompressionConfig().effective_moment_budget
     _, r, enc = first_decoded(mu, nu)
     rows = np.sqrt(((r[:4] - mu[:4]) ** 2).sum() / (mu[:4] ** 2).sum())
-    assert rows < 0.5 and update_error(r, mu, nu) <= 0.1 * 1.1
+    # the tiny rows' relative error is of the order of the budget's (sqrt(b) in norm), not orders of magnitude
+    assert rows < 1.6 * np.sqrt(budget) and update_error(r, mu, nu) <= budget * 1.1
 
 
 # --------------------------------------------------------------------------------------- through the handler
@@ -186,7 +188,7 @@ def test_quantize_policy_keeps_zeros_signs_and_prunes_first_moments(tmp_path, tr
         assert np.all(mu_r[mu_s == 0] == 0)
         if mu_s.size >= MIN_MOMENT_SIZE:  # coded relative to sqrt(nu) as restored, within moment_budget where
             kept = (w != 0) | (w.ndim < 2) | (w.size < 1024)  # the weight was not pruned
-            assert update_error(mu_r[kept], mu_s[kept], nu_r[kept]) <= (np.sqrt(0.1) + 0.05) ** 2
+            assert update_error(mu_r[kept], mu_s[kept], nu_r[kept]) <= (np.sqrt(ij.CompressionConfig().effective_moment_budget) + 0.05) ** 2
         if w.ndim >= 2 and w.size >= 1024:  # quantized: mu pruned exactly where its weight was
             n_quantized += 1
             np.testing.assert_array_equal(mu_r == 0, (mu_s == 0) | (w == 0))

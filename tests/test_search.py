@@ -237,7 +237,7 @@ def test_without_eval_fn_or_grads_the_fallbacks_are_reported(tmp_path, run):
     mngr.wait_until_finished()
     fig = mngr.item_metadata(0)
     assert fig["search"]["quality"].startswith("data-free proxy")
-    assert fig["search"]["degradation"] <= ij.CompressionConfig().proxy_budget
+    assert fig["search"]["degradation"] <= ij.CompressionConfig().effective_proxy_budget
     assert fig["search"]["eval_fn_calls"] == 0 and fig["search"]["prune_metrics"] == ["magnitude"]
     assert fig["sensitivity"] == "magnitude (no grads given)"
 
@@ -259,8 +259,9 @@ def test_epsilon_zero_never_accepts_a_degradation(tmp_path, run):
         mngr.wait_until_finished()
         fig = mngr.item_metadata(step)
         assert fig["search"]["chosen"] == "lossless" and fig["quant"] is None
-    # a later save probes only the least aggressive configuration (per prune metric): the baseline and one round
-    assert fig["search"]["mode"] == "lossless" and fig["search"]["eval_fn_calls"] == 2
+    # a later save probes only the least aggressive configuration (one prune metric without grads) and the two
+    # fine uniform quantizers of the fallback: the baseline and three candidates
+    assert fig["search"]["mode"] == "lossless" and fig["search"]["eval_fn_calls"] == 4
     restored = mngr.restore(1)
     for a, b in zip(jax.tree.leaves(restored["params"]), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), b)
@@ -376,3 +377,38 @@ def test_a_negative_eval_fn_is_measured_relative_to_its_magnitude(tmp_path, run)
     restored = mngr.restore(0, args=ij.InshrinkRestore(state))
     q0, q = float(eval_fn(state)), float(eval_fn(restored))
     assert (q - q0) / abs(q0) == pytest.approx(rec["degradation"], abs=1e-6)
+
+
+def test_a_keyframe_that_no_configuration_of_the_space_holds_takes_a_fine_uniform_quantizer(tmp_path):
+    """Nothing in the paper's space (32 levels at most) meets the budget, the fine uniform quantizer does: the
+    keyframe is stored at 254 cells of 1/20 of each tensor's RMS (the 1/8 cells measured over budget), not
+    losslessly, and the recorded degradation is what its restore gives."""
+    rng = np.random.default_rng(0)
+    state = {"params": {"w": jnp.asarray(rng.standard_normal((256, 128)), jnp.float32),
+                        "v": jnp.asarray(rng.standard_t(4, (128, 96)), jnp.float32)}}
+    ref = jax.tree.map(np.asarray, state)
+
+    def relative_error(s):  # 1 + squared error relative to the weights' energy
+        err = sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(ref)))
+        return 1.0 + err / sum(float(np.sum(b.astype(np.float64) ** 2)) for b in jax.tree.leaves(ref))
+
+    epsilon = 5e-4  # 1/8-RMS cells: about 0.125^2 / 12 = 1.3e-3; 1/20: about 2e-4
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler(
+        ij.CompressionConfig(epsilon=epsilon)))
+    mngr.save(0, args=ij.InshrinkSave(state, eval_fn=relative_error))
+    mngr.wait_until_finished()
+    fig = mngr.item_metadata(0)
+    chosen = fig["search"]["chosen"]
+    assert fig["search"]["mode"] == "fine" and (chosen["bins"], chosen["step"]) == (254, 0.05)
+    assert fig["search"]["eval_fn_calls"] == fig["search"]["candidates"] + 1
+    assert 0 < fig["search"]["degradation"] <= epsilon
+    restored = mngr.restore(0)
+    assert float(relative_error(restored)) - 1.0 == pytest.approx(fig["search"]["degradation"], rel=1e-4)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ref)):
+        # well inside the cells' range (+-6 RMS of the quantized values, the protected 1% left out): a value's
+        # level is the mean of its cell, at most one cell away; the cells are at most 1/20 of the whole RMS
+        rms = np.sqrt(np.mean(b.astype(np.float64) ** 2))
+        inside = np.abs(b) < 4 * rms
+        err = np.abs(np.asarray(a) - b)
+        assert np.max(err[inside]) <= 0.05 * rms and np.mean(err[inside]) <= 0.25 * 0.05 * rms * 1.2
+    assert fig["ratio"]["params"] > 3  # lossless float32 would be about 1.1x
