@@ -13,7 +13,7 @@ log domain, per tensor:
     codes K+1 .. 2K   positive values, level 0 (smallest |m|) first
     code 2K + 1       a non-finite value, stored exactly (the weights' "protected" code)
 
-K levels (`CompressionConfig.moment_bins`), shared by both signs (a second moment of some optimizers may be
+K levels (`CompressionConfig.effective_moment_bins`), shared by both signs (a second moment of some optimizers may be
 signed), are the centres of weighted k-means (kmeans.py) on log|m| over the log-bucket histogram of |m|
 (sketch.py: its buckets are uniform in log|m|, so it
 *is* the log-domain histogram), weighted by count only. A value takes the level nearest in log|m|, so its
@@ -132,7 +132,7 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
 
     Args:
       ms: non-negative float tensors (float32, bfloat16, float16), any shape and sharding.
-      cfg: `moment_bins`, and the k-means parameters.
+      cfg: its `effective_moment_bins`, and the k-means parameters.
       key: PRNG key for k-means++; defaults to a fold of PRNGKey(cfg.seed).
 
     Returns:
@@ -142,10 +142,10 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
         return []
     key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
     codes, tables, in_place = _encode_moments(
-        list(ms), key, buckets=quantize.buckets(ms), bins=cfg.moment_bins, spec=sketch.SketchSpec(cfg.alpha),
+        list(ms), key, buckets=quantize.buckets(ms), bins=cfg.effective_moment_bins, spec=sketch.SketchSpec(cfg.alpha),
         iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
         dtypes=tuple(jnp.dtype(m.dtype) for m in ms))
-    return [DeviceCodes(c, t, v, table_size(cfg.moment_bins)) for c, t, v in zip(codes, tables, in_place)]
+    return [DeviceCodes(c, t, v, table_size(cfg.effective_moment_bins)) for c, t, v in zip(codes, tables, in_place)]
 
 
 # A first moment is encoded in three jitted steps, so compile time does not grow with the number of tensors:

@@ -54,7 +54,7 @@ def assert_moment_on_table(restored, original, meta, scale=None):
     assert np.all(np.min(np.abs(ratio[:, None] - table[None, :]), axis=1) <= 1e-6 * np.abs(ratio))
     assert np.all(r[o == 0] == 0)
     assert (meta.scale_leaf is None) == (scale is None)
-    if meta.bins == 2 * ij.CompressionConfig().moment_bins:  # a second moment's table: signs kept
+    if meta.bins == 2 * ij.CompressionConfig().effective_moment_bins:  # a second moment's table: signs kept
         assert np.all((np.sign(r) == np.sign(o)) | (r == 0))
 
 

@@ -412,3 +412,30 @@ def test_a_keyframe_that_no_configuration_of_the_space_holds_takes_a_fine_unifor
         err = np.abs(np.asarray(a) - b)
         assert np.max(err[inside]) <= 0.05 * rms and np.mean(err[inside]) <= 0.25 * 0.05 * rms * 1.2
     assert fig["ratio"]["params"] > 3  # lossless float32 would be about 1.1x
+
+
+def test_epsilon_is_the_knob_of_a_saves_bytes(tmp_path, run):
+    """One save of a trained digits CNN (a keyframe) at the tightest (0.001), the default (0.01) and the loosest
+    (0.05) epsilon: bytes fall as epsilon loosens, the loosest writes less than 0.7x the tightest's, and each
+    save's degradation, measured on its restore, is the recorded one and within its epsilon."""
+    state, stream, val = run
+    eval_fn = eval_loss(val)
+    sens = ij.GradientEMA(every=50)
+    ema = sens.init(state.params)
+    for _ in range(150):
+        state, _, grads = digits.train_step(state, *next(stream))
+        ema = sens.update(ema, grads)
+    q0 = float(eval_fn(state))
+    written = {}
+    for eps in (0.001, 0.01, 0.05):
+        root = tmp_path / str(eps)
+        mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(epsilon=eps)))
+        mngr.save(0, args=ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
+        mngr.wait_until_finished()
+        fig = mngr.item_metadata(0)["search"]
+        restored = mngr.restore(0, args=ij.InshrinkRestore(state))
+        measured = (float(eval_fn(restored)) - q0) / abs(q0)
+        assert measured == pytest.approx(fig["degradation"], abs=1e-6) and measured <= eps
+        written[eps] = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert written[0.001] > written[0.01] > written[0.05]
+    assert written[0.05] < 0.7 * written[0.001]
