@@ -22,7 +22,8 @@ Noise floor: the largest |relative difference| of the final quality of seeds 1 a
 no checkpoints); a method is "within noise" when its degradation is at most that.
 
 Methods: inshrink (the default configuration: CompressionConfig() with a GradientEMA and the eval_fn),
-inshrink-rb<B> (residual_budget=B, the closed-loop size knob), inshrink-open (the paper's open-loop saves,
+inshrink[epsilon=E] (the knob: every data-free budget follows it), inshrink-rb<B> (residual_budget=B alone),
+inshrink-open (the paper's open-loop saves,
 closed_loop=False), inshrink[key=value;...] (any CompressionConfig fields, e.g. 'inshrink[moment_bins=4]'),
 each also as inshrink-uniform... (residual_space=config.UNIFORM_RESIDUAL_SPACE, e.g. inshrink-uniform-rb0.4),
 and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
@@ -47,9 +48,9 @@ import bench_fault_tolerance as ft  # noqa: E402
 import charlm  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
 
-KNOBS = (0.1, 0.4, 0.7)
-METHODS = (["inshrink"] + [f"inshrink-rb{b}" for b in KNOBS] + ["inshrink-open", "orbax", "bf16", "qd8", "cnr4",
-                                                                "excp"])
+KNOBS = (0.001, 0.005, 0.02, 0.05)  # epsilon, the knob (0.01 is the default)
+METHODS = (["inshrink"] + [f"inshrink[epsilon={e}]" for e in KNOBS] + ["inshrink-open", "orbax", "bf16", "qd8",
+                                                                      "cnr4", "excp"])
 
 
 class LongLM(ft.CharLM):
@@ -139,7 +140,7 @@ def method(name: str):
     elif rest:
         raise ValueError(f"unknown method {name!r}")
     ft.ij.CompressionConfig(**kw)  # a bad field fails here, not mid-run
-    return ft.Inshrink(name, ft.ij.CompressionConfig().epsilon, **kw)
+    return ft.Inshrink(name, kw.pop("epsilon", ft.ij.CompressionConfig().epsilon), **kw)
 
 
 def overrides(spec: str) -> dict:
