@@ -214,11 +214,11 @@ def main(argv=None):
               "For every configuration of the cube (magnitude prune metric, 108 points) at the given steps: the "
               "sensitivity-weighted relative reconstruction error (the proxy used without an eval_fn) and the real "
               f"degradation. 'Safe budget' = the largest proxy value below which every configuration met epsilon "
-              f"{args.epsilon}; the default `proxy_budget` is {cfg.proxy_budget}.", "",
-              f"| step | configurations meeting epsilon | safe budget | accepted at proxy_budget={cfg.proxy_budget} "
+              f"{args.epsilon}; the default `proxy_budget` is {cfg.effective_proxy_budget}.", "",
+              f"| step | configurations meeting epsilon | safe budget | accepted at proxy_budget={cfg.effective_proxy_budget} "
               "(of them meeting epsilon) |", "|---:|---:|---:|---:|"]
     for s, c in sorted(calib.items()):
-        acc_n, ok_n = c["accepted"](cfg.proxy_budget)
+        acc_n, ok_n = c["accepted"](cfg.effective_proxy_budget)
         lines.append(f"| {s} | {c['feasible']} of {c['n']} | {c['safe']:.4g} | {acc_n} ({ok_n}) |")
     lines += ["", "## What the ranking estimate rests on", "",
               "The final state's compressed leaves as one keyframe (protect 0.05%, magnitude): the order-0 entropy "
