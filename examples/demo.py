@@ -144,8 +144,8 @@ def main():
         print(f"\nOn disk now (last {KEEP} steps): Orbax {dir_bytes(os.path.join(tmp, 'orbax')):,d} B, "
               f"inshrink_jax {dir_bytes(os.path.join(tmp, 'inshrink')):,d} B (its kept steps, the keyframes their "
               "deltas build on, and until the next save the data of the step Orbax dropped last)")
-        print(f"save() blocking time: mean {sum(blocking) / len(blocking):.2f} s (the search runs here; the first "
-              f"save compiles the encoder)")
+        print(f"save() blocking time: mean {sum(blocking) / len(blocking):.2f} s (a single-device state is copied on "
+              f"the device and the search and encoders run in the background: save() waits for the previous save)")
         print(f"Training time: reference {t_ref:.1f} s, with compressed checkpoints, failure and resume {t_ins:.1f} s")
         print(f"\nTest accuracy after {STEPS} steps: reference {acc_ref:.4f}, resumed from compressed checkpoints "
               f"{acc:.4f} (relative change {(acc - acc_ref) / acc_ref:+.2%})")

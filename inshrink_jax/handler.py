@@ -252,8 +252,9 @@ class InshrinkSave(ocp.args.CheckpointArgs):
       eval_fn: maps a state of the saved type, with the compressed leaves replaced by their quantize-dequantize
         values, to a scalar quality (a loss by default; `CompressionConfig.higher_is_better` for accuracies),
         for the configuration search: a candidate is accepted when its relative degradation against the
-        uncompressed state at the same step is at most `CompressionConfig.epsilon`. Called on the thread that
-        calls `save()`, once for the uncompressed state and once per candidate. None: the search uses the
+        uncompressed state at the same step is at most `CompressionConfig.epsilon`. Called once for the
+        uncompressed state and once per candidate, on the thread that calls `save()` or, for a save in the
+        background (`InshrinkCheckpointHandler(background=...)`), in Orbax's commit thread. None: the search uses the
         data-free proxy (`CompressionConfig.proxy_budget`, epsilon unless set), and the figures say so.
       labels: per-leaf policies that override the defaults (policy.py): a callable `(key path, leaf) ->
         "quantize" | "lossless" | "drop" | None`, or a tree with the structure of `state` (or a prefix of it)
