@@ -4,10 +4,10 @@ cache (`ij.enable_compilation_cache`), measured side by side in one run.
 Usage: python benchmarks/compile_cache.py [--repeats 2] [--out FILE]   (needs the `bench` extra)
 
 Workload: the character transformer of bench_fault_tolerance.py (440k parameters, AdamW), default
-CompressionConfig, a GradientEMA and the held-out loss as eval_fn. A first process trains 30 steps and saves.
-Then, for each setting, a new process (a resumed job) restores that step, trains 30 steps and saves again; it
-reports the restore's seconds, how long its first save blocked (save() alone) and took (until finished), and the
-same for a steady save two saves later. Settings: no persistent cache; an empty cache
+CompressionConfig, a GradientEMA and the held-out loss as eval_fn. A first process trains and saves at steps 30,
+60 and 90; its later saves are deleted. Then, for each setting, a new process (a resumed job) restores step 30
+and trains and saves every 30 steps three times; it reports the restore's seconds, how long its first save
+blocked (save() alone) and took (until finished), and the same for its third save (a steady one). Settings: no persistent cache; an empty cache
 (the first job on a machine: it compiles and fills the cache); the cache the previous job filled (every later
 resume). Processes of different settings alternate, `--repeats` times; the table gives each setting's median.
 """

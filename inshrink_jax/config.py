@@ -121,7 +121,7 @@ UNIFORM_RESIDUAL_SPACE = SearchSpace(bins=(5,), embedding_bins=(5,), prune_fract
 # The data-free budgets per unit of epsilon, when a CompressionConfig leaves them at None (epsilon is the one
 # knob). At the default epsilon 0.01: residual saves within 0.2 of the residual's squared error and first moments
 # within 0.1 of the update's, the values the fidelity workloads held with (docs/results.md: first moments within 0.3
-# wrote 15-25% fewer bytes on three workloads with no loss, but ended the LSTM fine-tune outside its noise).
+# wrote 15-24% fewer bytes on three workloads with no loss, but ended the LSTM fine-tune outside its noise).
 RESIDUAL_PER_EPSILON = 20.0
 MOMENT_PER_EPSILON = 10.0
 
