@@ -12,6 +12,12 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 entropy coder. Plain zstd spends at least 1 bit per symbol on literals; a stream that is 97%
                 zeros has an order-0 entropy near 0.25 bit per symbol, which coded run lengths approach
                 (tests/test_codec.py, benchmarks/results/delta.md).
+  "zstd-runs"   "zstd-rle" with its values coded by whichever of zstd, zstd-radix and zstd-rank (or raw) is
+                smallest: the value count n and the run bytes' length k (little-endian uint64 each), one byte
+                naming the values' codec (`_RUN_VALUE_CODECS`), the zstd run bytes, the values. The non-zero values
+                of a delta stream are few distinct ones (+1, -1), which zstd's Huffman codes at over a bit each and
+                radix packing at their entropy; 1.11x -> 1.03x H0 on a stream 97% zeros. (Written instead of
+                "zstd-rle", which is read for checkpoints that have it.)
   "zstd-packed" for uint8 streams of small values (closed-loop residual codes: 2-4 levels): one header byte
                 w (1, 2 or 4) and the value count (little-endian uint64), then zstandard of the values packed w bits each, 8 / w per byte (first value in
                 the low bits). zstd's Huffman literals cost at least 1 bit per byte; packed, that floor is
@@ -22,6 +28,11 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 5 for b = 3, 3 for b = 5 or 6, 2 up to 16. zstd's Huffman literals then code blocks of n
                 values, whose redundancy over the order-0 entropy is shared by n values instead of paid by
                 each (written instead of "zstd-packed", which is read for checkpoints that have it).
+  "zstd-rank"   for uint8 streams of at most 16 distinct values, not all below 16 or with gaps (open-loop
+                deltas: 0, +1 and -1 modulo the modulus are 0, 1 and b - 1): one byte k (the number of distinct
+                values), the k values ascending, then "zstd-radix" of each value's rank among them (base k, at
+                least 2). Deltas of 3 distinct values then pack 5 to a byte instead of taking a byte each, and
+                a closed-loop residual's codes 1..K (no zeros) K values to a base-K digit instead of base K + 1.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -38,6 +49,8 @@ ZSTD_PLANES = "zstd-planes"
 ZSTD_RLE = "zstd-rle"
 ZSTD_PACKED = "zstd-packed"
 ZSTD_RADIX = "zstd-radix"
+ZSTD_RANK = "zstd-rank"
+ZSTD_RUNS = "zstd-runs"
 RAW = "raw"
 _PACK_WIDTHS = (1, 2, 4)
 DEFAULT_LEVEL = 3
@@ -45,7 +58,7 @@ DEFAULT_LEVEL = 3
 # level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
 # 1.18x vs 1.28x H0 on 8-level codes of a real training trace; run lengths take its deltas from 1.73x to
 # 1.11x H0 (benchmarks/results/delta.md).
-CODE_CODECS = (ZSTD, ZSTD_RLE, ZSTD_RADIX)
+CODE_CODECS = (ZSTD, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK)
 CODE_LEVEL = 1
 # Lossless float data: byte planes win on trained weights (their exponent bytes repeat), plain zstd (what Orbax
 # stores) where whole values repeat; taking the smaller costs a second pass and is never larger than either.
@@ -64,7 +77,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
     if codec == ZSTD_PLANES:
         arr = np.ascontiguousarray(data)
         buf = arr.reshape(-1).view(np.uint8).reshape(-1, arr.dtype.itemsize).T.copy() if arr.size else b""
-    elif codec == ZSTD_RLE:
+    elif codec in (ZSTD_RLE, ZSTD_RUNS):
         arr = _bytes_view(data)
         nonzero = np.flatnonzero(arr)
         gaps = np.diff(nonzero, prepend=-1) - 1
@@ -72,8 +85,11 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         runs = np.full(gaps.size + int(extra.sum()), 255, np.uint8)
         runs[np.cumsum(extra + 1) - 1] = gaps % 255
         packed = compress(runs, ZSTD, level)
-        return (np.array([arr.size, len(packed)], "<u8").tobytes() + packed
-                + compress(arr[nonzero], ZSTD, level))
+        head = np.array([arr.size, len(packed)], "<u8").tobytes()
+        if codec == ZSTD_RLE:
+            return head + packed + compress(arr[nonzero], ZSTD, level)
+        values, used = compress_best(arr[nonzero], _RUN_VALUE_CODECS[1:], level)
+        return head + bytes([_RUN_VALUE_CODECS.index(used)]) + packed + values
     elif codec == ZSTD_PACKED:
         arr = _bytes_view(data)
         top = int(arr.max()) if arr.size else 0
@@ -97,14 +113,23 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         weights = (base ** np.arange(per)).astype(np.uint16)
         packed = (padded.reshape(-1, per).astype(np.uint16) @ weights).astype(np.uint8)
         return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
+    elif codec == ZSTD_RANK:
+        arr = _bytes_view(data)
+        alphabet = np.flatnonzero(np.bincount(arr, minlength=256)).astype(np.uint8) if arr.size else \
+            np.zeros(1, np.uint8)
+        if alphabet.size > _RADIX_MAX:
+            return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
+        ranks = np.searchsorted(alphabet, arr).astype(np.uint8)
+        return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
     elif codec == ZSTD:
         buf = _bytes_view(data)
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_PACKED!r}, {ZSTD_RADIX!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}")
     return zstandard.ZstdCompressor(level=level).compress(buf)
 
 
+_RUN_VALUE_CODECS = (RAW, ZSTD, ZSTD_RADIX, ZSTD_RANK)  # "zstd-runs": its values' codec byte indexes this
 _RADIX_MAX = 16  # the largest base that still packs two values to a byte
 
 
@@ -136,11 +161,17 @@ def _can_win(codec: str, counts: np.ndarray | None) -> bool:
     """Whether `codec` is worth a pass over a uint8 stream with byte histogram `counts`: run lengths only when at
     least half the stream is zeros (else they store a run byte per value besides the value: on the code
     streams of benchmarks/results/delta.md they were then never the smallest, and their encoder is the slowest,
-    ~100 ns per value on dense 8-level codes); radix packing only for values below `_RADIX_MAX`."""
-    if codec == ZSTD_RLE:
+    ~100 ns per value on dense 8-level codes); of radix packing (values below `_RADIX_MAX`) and ranks (at most
+    `_RADIX_MAX` distinct values), the one that packs more values to a byte (the same number: radix, whose bytes
+    are then a relabelling of the ranks')."""
+    if codec in (ZSTD_RLE, ZSTD_RUNS):
         return 2 * int(counts[0]) >= int(counts.sum())
-    if codec == ZSTD_RADIX:
-        return not counts[_RADIX_MAX:].any()
+    if codec in (ZSTD_RADIX, ZSTD_RANK):
+        present = np.flatnonzero(counts)
+        radix = not counts[_RADIX_MAX:].any()
+        rank = 0 < present.size <= _RADIX_MAX and (not radix or _radix_digits(max(present.size, 2)) > _radix_digits(
+            max(int(present[-1]) + 1, 2)))
+        return rank if codec == ZSTD_RANK else radix and not rank
     return True
 
 
@@ -151,17 +182,19 @@ class CodecError(ValueError):
 def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
     """Inverse of `compress`: exactly `size` bytes, or CodecError (nothing larger is ever allocated, whatever
     the stream's own header claims); `itemsize` is the element size the planes were split by (zstd-planes)."""
-    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_PACKED, ZSTD_RADIX):
+    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK):
         raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_PACKED!r}, {ZSTD_RADIX!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}")
     if codec == RAW:
         out = bytes(blob)
-    elif codec == ZSTD_RLE:
-        out = _decompress_rle(blob, size)
+    elif codec in (ZSTD_RLE, ZSTD_RUNS):
+        out = _decompress_rle(blob, size, codec == ZSTD_RUNS)
     elif codec == ZSTD_PACKED:
         out = _decompress_packed(blob, size)
     elif codec == ZSTD_RADIX:
         out = _decompress_radix(blob, size)
+    elif codec == ZSTD_RANK:
+        out = _decompress_rank(blob, size)
     else:
         out = _zstd(blob, size)
     if len(out) != size:
@@ -228,6 +261,19 @@ def _decompress_radix(blob: bytes, size: int) -> bytes:
     return (digits if digits.shape[1] == per else digits[:, :per]).reshape(-1)[:size].tobytes()
 
 
+def _decompress_rank(blob: bytes, size: int) -> bytes:
+    k = blob[0] if len(blob) else 0
+    if not 1 <= k <= _RADIX_MAX or len(blob) < 1 + k:
+        raise CodecError("zstd-rank stream has no valid alphabet")
+    alphabet = np.frombuffer(blob[1:1 + k], np.uint8)
+    if k > 1 and not np.all(alphabet[1:] > alphabet[:-1]):
+        raise CodecError("zstd-rank alphabet is not strictly ascending")
+    ranks = np.frombuffer(_decompress_radix(blob[1 + k:], size), np.uint8)
+    if ranks.size and int(ranks.max()) >= k:
+        raise CodecError(f"zstd-rank stream holds rank {int(ranks.max())} of an alphabet of {k}")
+    return alphabet[ranks].tobytes()
+
+
 @functools.lru_cache(maxsize=_RADIX_MAX)
 def _radix_table(base: int) -> np.ndarray:
     """byte -> its `_radix_digits(base)` digits in base `base`, least significant first, zero-padded to 1, 2, 4 or 8
@@ -245,15 +291,21 @@ def _radix_table(base: int) -> np.ndarray:
 _RLE_CHUNK = 1 << 20  # run bytes summed at a time
 
 
-def _decompress_rle(blob: bytes, size: int) -> bytes:
-    if len(blob) < 16:
-        raise CodecError("zstd-rle stream shorter than its header")
+def _decompress_rle(blob: bytes, size: int, coded_values: bool) -> bytes:
+    """"zstd-rle", or "zstd-runs" (`coded_values`: a byte naming the values' codec after the header)."""
+    name, head = (ZSTD_RUNS, 17) if coded_values else (ZSTD_RLE, 16)
+    if len(blob) < head:
+        raise CodecError(f"{name} stream shorter than its header")
     n, k = (int(v) for v in np.frombuffer(blob[:16], "<u8"))
-    if n != size or k > len(blob) - 16:
-        raise CodecError(f"zstd-rle header states {n} symbols in {k} bytes; expected {size} symbols")
-    runs = np.frombuffer(_zstd(blob[16:16 + k], n + n // 255 + 1), np.uint8)
+    if n != size or k > len(blob) - head:
+        raise CodecError(f"{name} header states {n} symbols in {k} bytes; expected {size} symbols")
+    if coded_values and blob[16] >= len(_RUN_VALUE_CODECS):
+        raise CodecError(f"{name} names value codec {blob[16]}, not one of {len(_RUN_VALUE_CODECS)}")
+    runs = np.frombuffer(_zstd(blob[head:head + k], n + n // 255 + 1), np.uint8)
     count = int(np.count_nonzero(runs != 255))  # each byte below 255 ends one run
-    values = np.frombuffer(_zstd(blob[16 + k:], count), np.uint8)
+    rest = blob[head + k:]
+    values = np.frombuffer(decompress(rest, _RUN_VALUE_CODECS[blob[16]], count) if coded_values
+                           else _zstd(rest, count), np.uint8)
     if values.size != count:
         raise CodecError(f"zstd-rle stream holds {values.size} values for {count} runs")
     # A run's end is at (the sum over the bytes up to and including its last one of byte + [byte < 255]) - 1:

@@ -144,8 +144,10 @@ class CompressionConfig:
       kmeans_restarts: independent k-means++ initialisations (run batched); the lowest-loss one is kept.
       protected_dtype: storage of protected weights, "bfloat16" (paper) or "float32". Leaves that are already
         16-bit keep their own dtype for protected values, which is exact at no extra cost.
-      min_compress_size: float parameters with fewer elements, or with fewer than 2 dimensions, are stored
-        losslessly (biases, norm scales). Optimizer moments are quantized from 64 elements, 1-D ones included
+      min_compress_size: float parameters with fewer elements, or with fewer than 2 dimensions, are not
+        quantized as weights (biases, norm scales): stored losslessly, except that in a closed-loop chain those
+        of 64 or more elements (`save.MIN_RESIDUAL_SIZE`) are exact at keyframes only and quantized residuals
+        at the saves after. Optimizer moments are quantized from 64 elements, 1-D ones included
         (`save.MIN_MOMENT_SIZE`: their error is relative per element, whatever the tensor's size).
       layer_type_rules: (regex, layer_type) pairs tried in order on the leaf's path before the default rule
         (see `quantize.layer_type`); e.g. (("head", "dense"),).

@@ -43,6 +43,11 @@ RESIDUAL, KEYFRAME = "residual", "keyframe"  # what a closed-loop save's search 
 # relative per element in the log domain, whatever the tensor's size, and below this the value table would cost
 # about what it saves. (Weights: `CompressionConfig.min_compress_size` and >= 2 dimensions.)
 MIN_MOMENT_SIZE = 64
+# A float parameter too small or too flat for the weights' own coding (`CompressionConfig.min_compress_size`, < 2
+# dimensions: biases, norm scales) joins a closed-loop chain from this many elements: stored exactly at its
+# keyframes, then coded as a residual with the weights (a few levels of one interval's change instead of 32 bits).
+# Below it, the levels and segment headers would cost about what the residual saves.
+MIN_RESIDUAL_SIZE = 64
 # Positions of protected values are int32 (jax without x64): a quantized shard must index within it.
 MAX_SHARD_ELEMENTS = 2**31 - 1
 
@@ -106,6 +111,9 @@ class Plan:
         (moments.encode_first_on_device).
       grads: for each weight, its gradient EMA or None.
       base_of: weight index -> the base checkpoint's leaf it is stored against.
+      small: indices of the float parameters stored exactly by size alone (`MIN_RESIDUAL_SIZE`): closed loop,
+        they take part in the chain as residuals at residual saves (`with_small`).
+      small_grads: for each of `small`, its gradient EMA or None.
       empty: the state's empty containers (`records.empty_containers`).
       grads_given: whether the save was given gradients at all.
     """
@@ -120,6 +128,8 @@ class Plan:
     scales: list[int | None]
     grads: list
     base_of: dict[int, str]
+    small: list[int]
+    small_grads: list
     empty: list
     grads_given: bool
 
@@ -139,10 +149,28 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
         jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
     base_of = {} if base is None else {
         i: b for i in weights if (b := base.match(recs[i].path, recs[i].shape)) is not None}
+    small = [i for i, ((_, x), r, pol) in enumerate(zip(flat, recs, policies))
+             if r.kind == "array" and pol.policy == "quantize" and pol.moment is None and isinstance(x, jax.Array)
+             and r.dtype in _QUANTIZABLE and x.ndim >= 1 and x.size >= MIN_RESIDUAL_SIZE]
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
                 [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of,
-                records.empty_containers(state), grads is not None)
+                small, [_mirrored(flat[i][0], by_path) for i in small], records.empty_containers(state),
+                grads is not None)
+
+
+def with_small(p: Plan, cfg: CompressionConfig) -> Plan:
+    """`p` for a closed-loop residual save: its small float parameters (`Plan.small`) quantized with the weights,
+    after them, as weights of their layer type (1-D: "other", never pruned)."""
+    if not p.small:
+        return p
+    recs = list(p.records)
+    for i in p.small:
+        recs[i] = dataclasses.replace(recs[i], kind="quantized", method="weights",
+                                      layer_type=quantize.layer_type(recs[i].keystr, recs[i].shape,
+                                                                     cfg.layer_type_rules))
+    return dataclasses.replace(p, records=recs, weights=p.weights + p.small, grads=p.grads + p.small_grads,
+                               small=[], small_grads=[])
 
 
 def snapshot(p: Plan) -> Plan:
@@ -161,7 +189,7 @@ def snapshot(p: Plan) -> Plan:
                 out[i] = np.array(x, copy=True)
         return out
 
-    return dataclasses.replace(p, leaves=copies(p.leaves), grads=copies(p.grads))
+    return dataclasses.replace(p, leaves=copies(p.leaves), grads=copies(p.grads), small_grads=copies(p.small_grads))
 
 
 def auto_axes(x):
@@ -299,13 +327,14 @@ class Dispatched:
 
 
 def recon_offsets(p: Plan, cfg: CompressionConfig, chain: ItemState) -> list | None:
-    """Closed loop: per weight, the previous reconstruction this save's residual is taken against; None when
-    this save is a keyframe (open loop, a fine-tune against a base, no committed previous save, the chain is
-    `keyframe_every` long, or a weight without a reconstruction of its shape, dtype and sharding)."""
+    """Closed loop: per weight, then per small float parameter (`Plan.small`), the previous reconstruction this
+    save's residual is taken against; None when this save is a keyframe (open loop, a fine-tune against a base, no
+    committed previous save, the chain is `keyframe_every` long, or a leaf without a reconstruction of its shape,
+    dtype and sharding)."""
     if not cfg.closed_loop or p.base_of or chain.object_id is None or chain.depth + 1 >= cfg.keyframe_every:
         return None
     out = []
-    for i in p.weights:
+    for i in p.weights + p.small:
         x, r = p.leaves[i], chain.recon.get(p.records[i].keystr)
         if r is None or r.shape != x.shape or r.dtype != x.dtype or \
                 not r.sharding.is_equivalent_to(x.sharding, x.ndim):
@@ -319,13 +348,14 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     """Choose the configuration, dispatch the encoders (and, closed loop, the new reconstruction), copy the
     lossless leaves. `chain`: the state the save builds on; `offsets`: for each weight, the base checkpoint's
     values it is stored against, or None."""
-    xs = [p.leaves[i] for i in p.weights]
-    layer_types = [p.records[i].layer_type for i in p.weights]
     closed = cfg.closed_loop and not p.base_of
     recon = recon_offsets(p, cfg, chain)
     residual = recon is not None
     if residual:
-        offsets = recon
+        offsets, p = recon, with_small(p, cfg)
+    small = p.small if closed else []  # exact at a closed-loop keyframe: the first link of their chains
+    xs = [p.leaves[i] for i in p.weights]
+    layer_types = [p.records[i].layer_type for i in p.weights]
     previous = None if residual else chain.quant
     quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual)
     if closed and isinstance(search_record, dict):
@@ -333,6 +363,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     recs = list(p.records)
     weights = p.weights
     coding = records.CLOSED_LOOP if closed else None
+    for i in small:
+        recs[i] = dataclasses.replace(recs[i], coding=coding)
     if quant is None:  # lossless: no weight quantized at this save
         for i in weights:
             recs[i] = dataclasses.replace(recs[i], kind="array", method=None, layer_type=None, coding=coding)
@@ -372,8 +404,9 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
                 "empty": p.empty,
                 "sensitivity": (f"gradient EMA on {sum(g is not None for g in p.grads)} of {len(p.grads)} "
                                 "quantized leaves" if p.grads_given else "magnitude (no grads given)")}
+    new_recon = new_recon + [jnp.copy(p.leaves[i]) for i in small]
     after = dict(quant=chain.quant if residual else choice,
-                 recon={p.records[i].keystr: r for i, r in zip(p.weights, new_recon)},
+                 recon={p.records[i].keystr: r for i, r in zip(p.weights + small, new_recon)},
                  depth=chain.depth + 1 if residual else 0)
     return Dispatched(recs, quantized, devs, shards, manifest, started, time.perf_counter() - started,
                       chain.object_id if residual else None, after)

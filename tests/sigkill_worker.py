@@ -16,11 +16,12 @@ CONFIG = ij.CompressionConfig(search=False, keyframe_every=4, optimizer="quantiz
 
 
 def state_at(step: int) -> dict:
-    """Weights that drift a little per step (deltas stay small), moments, and exact markers of the step."""
+    """Weights that drift a little per step (deltas stay small), moments, and exact markers of the step (the bias:
+    fewer elements than save.MIN_RESIDUAL_SIZE, so stored exactly at every save)."""
     base = np.random.default_rng(0).standard_t(3, size=(256, 128)).astype(np.float32) * 0.05
     drift = np.random.default_rng(step).normal(size=base.shape).astype(np.float32) * 1e-3
     w = base + drift
-    return {"params": {"kernel": jnp.asarray(w), "bias": jnp.full((128,), step, jnp.float32)},
+    return {"params": {"kernel": jnp.asarray(w), "bias": jnp.full((32,), step, jnp.float32)},
             "opt_state": {"mu": jnp.asarray(w * 0.1), "nu": jnp.asarray(w * w), "count": jnp.int32(step)},
             "step": jnp.int32(step)}
 

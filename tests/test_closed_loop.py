@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import cli, codec, config, records, store
+from inshrink_jax import cli, codec, config, records, save, store
 
 
 def manager(root, max_to_keep=None, **cfg):
@@ -45,8 +45,13 @@ def test_keyframe_then_residuals_bounded_by_keyframe_every(tmp_path):
     assert kinds == [("keyframe", 0), ("delta", 1), ("delta", 2), ("keyframe", 0), ("delta", 1), ("delta", 2),
                      ("keyframe", 0)]
     reader = store.Reader(tmp_path / "5" / "default")
-    assert reader.leaves["['w']"].coding == records.CLOSED_LOOP and reader.leaves["['b']"].coding is None
+    assert reader.leaves["['w']"].coding == records.CLOSED_LOOP
     assert [o.id for o, _ in reader.links("['w']")] == ["3.0", "4.0", "5.0"]
+    # The 1-D bias (64 elements) is in the chain too: exact at the keyframe, a residual after it.
+    keyframe = store.Reader(tmp_path / "3" / "default")
+    assert (keyframe.leaves["['b']"].kind, keyframe.leaves["['b']"].coding) == ("array", records.CLOSED_LOOP)
+    assert (reader.leaves["['b']"].kind, reader.leaves["['b']"].coding) == ("quantized", records.CLOSED_LOOP)
+    assert [o.id for o, _ in reader.links("['b']")] == ["3.0", "4.0", "5.0"]
     assert reader.own.commit["bases"] == ["4.0"]
     assert cli.main(["verify", str(tmp_path)]) == 0
 
@@ -75,6 +80,26 @@ def test_a_restart_continues_the_chain_bit_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(out_a[k]), np.asarray(out_b[k]))
     # the restore of step 3 is what the saver held as its reconstruction: step 4's residual was added to it
     assert rms(out_a["w"], states[4]["w"]) < rms(restored["w"], states[3]["w"])
+    # the bias, exact at the keyframe, is off by a fraction of the residuals' quantization error since
+    assert 0 < rms(out_a["b"], states[4]["b"]) < 0.3 * rms(states[4]["b"], states[3]["b"])
+
+
+def test_small_parameters_join_the_chain_from_min_residual_size(tmp_path):
+    """A 1-D float parameter of MIN_RESIDUAL_SIZE elements is a residual after the keyframe; one element fewer,
+    or an integer leaf, is stored exactly at every save."""
+    n = save.MIN_RESIDUAL_SIZE
+    mngr = manager(tmp_path)
+    for step, s in enumerate(walk(3, 3)):
+        s = {**s, "c": s["w"][1, :n - 1], "i": jnp.arange(n, dtype=jnp.int32) + step}
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+    leaves = store.Reader(tmp_path / "2" / "default").leaves
+    assert (leaves["['b']"].kind, leaves["['b']"].coding) == ("quantized", records.CLOSED_LOOP)
+    for key in ("['c']", "['i']"):
+        assert (leaves[key].kind, leaves[key].coding) == ("array", None), key
+    out = mngr.restore(2)
+    np.testing.assert_array_equal(np.asarray(out["c"]), np.asarray(s["c"]))
+    np.testing.assert_array_equal(np.asarray(out["i"]), np.asarray(s["i"]))
 
 
 def test_error_does_not_grow_over_restores(tmp_path):

@@ -82,10 +82,11 @@ def test_train_state_round_trip_through_async_manager(tmp_path, trained):
         else:  # biases, small kernels, the train step: bit-exact
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Conv_1, Dense_0 and Dense_1 kernels and the mu and nu of each; the mu and nu of the weights stored exactly
-    # with >= 64 elements (save.MIN_MOMENT_SIZE): Conv_0's kernel, Conv_1's and Dense_0's biases
-    assert (kinds.count("quantized"), kinds.count("dropped")) == (15, 0)
+    # with >= 64 elements (save.MIN_MOMENT_SIZE): Conv_0's kernel, Conv_1's and Dense_0's biases; and, step 3 being
+    # a closed-loop residual, those three weights themselves (>= save.MIN_RESIDUAL_SIZE elements)
+    assert (kinds.count("quantized"), kinds.count("dropped")) == (18, 0)
     fig = mngr.item_metadata(3)
-    assert fig["sensitivity"] == "gradient EMA on 3 of 3 quantized leaves"
+    assert fig["sensitivity"] == "gradient EMA on 6 of 6 quantized leaves"
     assert fig["ratio"]["params"] > 4 and fig["ratio"]["optimizer"] > 4
     assert abs(digits.accuracy(r.params, state.apply_fn, vx, vy) - digits.accuracy(state.params, state.apply_fn,
                                                                                    vx, vy)) <= 0.02
