@@ -101,7 +101,7 @@ def default_trace(steps: int, every: int, tx, ty) -> list:
 def default_lines(log: list, steps: int, every: int) -> list[str]:
     lines = ["", "## The default configuration's stored code streams against their order-0 entropy", "",
              f"The same trace, the whole TrainState (parameters and Adam's moments) saved every {every} steps "
-             f"through steps 0..{steps} with CompressionConfig() (closed loop, keyframe_every=10, the search "
+             f"through steps 0..{steps} with CompressionConfig() (closed loop, keyframe_every=32, the search "
              "with its data-free proxy: no eval_fn) and every code stream the handler stored decoded from its "
              "bytes: stored bytes against the stream's own order-0 entropy (each stream's frame header and "
              "table included in the stored bytes).", "",
