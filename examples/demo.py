@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import digits  # noqa: E402
 
 import inshrink_jax as ij  # noqa: E402
+from inshrink_jax.cli import describe_choice  # noqa: E402
 
 STEPS, EVERY, FAIL_AT, KEEP = int(os.environ.get("DEMO_STEPS", 600)), 50, 370, 3
 CONFIG = ij.CompressionConfig()  # the defaults: closed-loop saves, the search, the default optimizer-state policy
@@ -125,8 +126,7 @@ def main():
         for step, f in figures:
             s = f["search"]
             q = s["chosen"]
-            chosen = "lossless" if q == "lossless" else (
-                f"{q['bins']} bins, prune {q['prune_fraction']:.0%}, protect {q['protect_fraction']:.2%}")
+            chosen = describe_choice(q)
             print(f"  {step:>5} {f['kind']:>8} {s['mode']:>13} {chosen:<34} {s['degradation']:>7.4f} "
                   f"{f['ratio']['params']:>7.1f}x {f['ratio']['total']:>6.2f}x")
         raw = {p: sum(f["raw_bytes"][p] for _, f in figures) for p in ("params", "optimizer", "other")}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from inshrink_jax.cli import describe_choice
+
 
 def parse_args(doc: str, argv=None) -> argparse.Namespace:
     """--dir (a CheckpointManager root), --steps, --every (checkpoint interval), --crash-at."""
@@ -26,7 +28,7 @@ def report_save(mngr, step: int, loss) -> None:
 def report_figures(step: int, loss, f) -> None:
     """Print a save's figures (`records.Figures`)."""
     q = f["search"]["chosen"]
-    chosen = q if q == "lossless" else f"{q['bins']} bins, prune {q['prune_fraction']:.0%}"
+    chosen = describe_choice(q)
     print(f"step {step}: loss {float(loss):.4f}; checkpoint {f['kind']}, {chosen}, params "
           f"{f['ratio']['params']:.1f}x, whole {f['ratio']['total']:.1f}x smaller")
 

@@ -248,6 +248,17 @@ def _inspect_steps(root: str, steps: dict[int, str], step: int | None, item: str
     return item, out, kinds
 
 
+def describe_choice(q: dict | str, metric: bool = False) -> str:
+    """A quantization configuration as a search record or manifest holds it (a QuantConfig as a dict, or
+    "lossless"), in words: "6 bins" or, for a uniform quantizer (the fine keyframe), "254 cells of 0.125 RMS",
+    then its pruning (with its metric if `metric`) and protection."""
+    if q == "lossless":
+        return "lossless"
+    levels = f"{q['bins']} cells of {q['step']} RMS" if q.get("step") else f"{q['bins']} bins"
+    prune = f"prune {q['prune_fraction']:.0%}" + (f" ({q['prune_metric']})" if metric else "")
+    return f"{levels}, {prune}, protect {q['protect_fraction']:.2%}"
+
+
 def _degradation(f: dict) -> float | None:
     """The eval_fn's relative change that a save measured for its chosen configuration (None: not measured)."""
     d = f["search"].get("degradation") if isinstance(f.get("search"), dict) else None
@@ -279,12 +290,7 @@ def inspect(root: str, step: int | None, item: str | None, as_json: bool) -> int
             t.add_row(str(s), "orbax", *[""] * 8, "written by Orbax's own handler (before the run moved to "
                       "inshrink_jax): restores through InshrinkCheckpointHandler; not inspected")
             continue
-        q = f["quant"]
-        conf = "lossless"
-        if q is not None:
-            levels = f"{q['bins']} cells of {q['step']} RMS" if q.get("step") else f"{q['bins']} bins"
-            conf = (f"{levels}, prune {q['prune_fraction']:.0%} ({q['prune_metric']}), "
-                    f"protect {q['protect_fraction']:.2%}")
+        conf = "lossless" if f["quant"] is None else describe_choice(f["quant"], metric=True)
         degr = "-" if _degradation(f) is None else f"{_degradation(f):+.2%}"
         t.add_row(str(s), f["kind"], str(f["chain_depth"]), _fmt_bytes(sum(f["stored_bytes"].values())),
                   _fmt_bytes(f["needs_bytes"]), _ratio(f["ratio"]["params"]), _ratio(f["ratio"]["optimizer"]),

@@ -368,3 +368,11 @@ def test_an_item_another_handler_wrote_is_named_as_such(tmp_path, capsys):
     (tmp_path / "0" / "state" / store.MANIFEST).unlink()
     assert cli.main(["verify", str(tmp_path), "--item", "state"]) == 1
     assert "manifest" in capsys.readouterr().out
+
+
+def test_a_choice_is_described_with_its_step_or_bins():
+    q = {"bins": 254, "step": 0.125, "prune_fraction": 0.0, "protect_fraction": 0.0, "prune_metric": "magnitude"}
+    assert cli.describe_choice(q) == "254 cells of 0.125 RMS, prune 0%, protect 0.00%"
+    q = {**q, "bins": 6, "step": 0.0, "prune_fraction": 0.5, "protect_fraction": 0.005}
+    assert cli.describe_choice(q, metric=True) == "6 bins, prune 50% (magnitude), protect 0.50%"
+    assert cli.describe_choice("lossless") == "lossless"
