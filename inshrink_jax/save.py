@@ -151,7 +151,8 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
         i: b for i in weights if (b := base.match(recs[i].path, recs[i].shape)) is not None}
     small = [i for i, ((_, x), r, pol) in enumerate(zip(flat, recs, policies))
              if r.kind == "array" and pol.policy == "quantize" and pol.moment is None and isinstance(x, jax.Array)
-             and r.dtype in _QUANTIZABLE and x.ndim >= 1 and x.size >= MIN_RESIDUAL_SIZE]
+             and r.dtype in _QUANTIZABLE and x.ndim >= 1 and x.size >= MIN_RESIDUAL_SIZE
+             and int(np.prod(x.sharding.shard_shape(x.shape))) <= MAX_SHARD_ELEMENTS]
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
                 [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of,
