@@ -35,10 +35,12 @@ import report  # noqa: E402
 VARIANTS = ("codes", "delta", "rearranged")
 WHY_ABOVE_H0 = (
     "What is left above H0: zstd codes literals with Huffman, which costs up to ~0.1-0.2 bit per symbol more than "
-    "the entropy when one symbol is frequent (the zeros of deltas that the run lengths do not absorb), and each "
-    "tensor's stream pays its own frame header and Huffman table (the smallest tensor has 640 codes, the middle "
-    "one 18k). Radix packing (zstd-radix: several codes of few levels to a byte) shares Huffman's per-symbol "
-    "loss among the codes of a byte, which is why whole code streams come within about 1% of H0. The last two "
+    "the entropy when one symbol is frequent, and each tensor's stream pays its own frame header and Huffman table "
+    "(the smallest tensor has 640 codes, the middle one 18k). Radix packing (zstd-radix: several codes of few "
+    "levels to a byte; zstd-rank: the same over the ranks of at most 16 distinct values, e.g. a delta's 0, +1 and "
+    "-1 mod b) shares Huffman's per-symbol loss among the codes of a byte, and zstd-runs codes the run lengths of "
+    "zeros with the non-zero values radix-packed, which is why the streams come within a few percent of H0. The "
+    "last two "
     "columns are plain zstd at levels 1 and 3, without the codec choices (codec.CODE_CODECS at "
     "codec.CODE_LEVEL).")
 
@@ -196,7 +198,7 @@ def main(argv=None):
              "Ratio = float32 bytes of all parameters / stored bytes (code stream + the protected values, "
              "centres and lossless leaves that every variant stores alike). H0 = order-0 entropy of the code "
              "stream, the bound of a memoryless symbol coder; 'zstd' is what the handler stores (the smallest of "
-             "zstd level 1, zstd-rle and zstd-radix); zstd/H0 < 1 would mean it found "
+             "zstd level 1, zstd-runs, zstd-radix and zstd-rank); zstd/H0 < 1 would mean it found "
              "structure beyond symbol frequencies (runs).", "",
              WHY_ABOVE_H0, "",
              "## Overall", "",

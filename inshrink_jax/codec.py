@@ -16,8 +16,8 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 smallest: the value count n and the run bytes' length k (little-endian uint64 each), one byte
                 naming the values' codec (`_RUN_VALUE_CODECS`), the zstd run bytes, the values. The non-zero values
                 of a delta stream are few distinct ones (+1, -1), which zstd's Huffman codes at over a bit each and
-                radix packing at their entropy; 1.11x -> 1.03x H0 on a stream 97% zeros. (Written instead of
-                "zstd-rle", which is read for checkpoints that have it.)
+                radix packing at their entropy (tests/test_codec.py: within 5% of H0 on streams 60-97% zeros).
+                (Written instead of "zstd-rle", which is read for checkpoints that have it.)
   "zstd-packed" for uint8 streams of small values (closed-loop residual codes: 2-4 levels): one header byte
                 w (1, 2 or 4) and the value count (little-endian uint64), then zstandard of the values packed w bits each, 8 / w per byte (first value in
                 the low bits). zstd's Huffman literals cost at least 1 bit per byte; packed, that floor is
@@ -28,8 +28,8 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 5 for b = 3, 3 for b = 5 or 6, 2 up to 16. zstd's Huffman literals then code blocks of n
                 values, whose redundancy over the order-0 entropy is shared by n values instead of paid by
                 each (written instead of "zstd-packed", which is read for checkpoints that have it).
-  "zstd-rank"   for uint8 streams of at most 16 distinct values, not all below 16 or with gaps (open-loop
-                deltas: 0, +1 and -1 modulo the modulus are 0, 1 and b - 1): one byte k (the number of distinct
+  "zstd-rank"   for uint8 streams of at most 16 distinct values, tried where it packs more values to a byte
+                than "zstd-radix" would (open-loop deltas: 0, +1 and -1 modulo the modulus are 0, 1 and b - 1): one byte k (the number of distinct
                 values), the k values ascending, then "zstd-radix" of each value's rank among them (base k, at
                 least 2). Deltas of 3 distinct values then pack 5 to a byte instead of taking a byte each, and
                 a closed-loop residual's codes 1..K (no zeros) K values to a base-K digit instead of base K + 1.
@@ -56,8 +56,8 @@ _PACK_WIDTHS = (1, 2, 4)
 DEFAULT_LEVEL = 3
 # Code and delta streams: whichever of these is smaller, at zstd level 1. On near-memoryless uint8 streams
 # level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
-# 1.18x vs 1.28x H0 on 8-level codes of a real training trace; run lengths take its deltas from 1.73x to
-# 1.11x H0 (benchmarks/results/delta.md).
+# 1.18x vs 1.28x H0 on 8-level codes of a real training trace; the codec choice takes its rearranged deltas from
+# 1.73x (plain zstd) to 1.02x H0 (1.07x with zstd-rle before zstd-runs and zstd-rank; benchmarks/results/delta.md).
 CODE_CODECS = (ZSTD, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK)
 CODE_LEVEL = 1
 # Lossless float data: byte planes win on trained weights (their exponent bytes repeat), plain zstd (what Orbax
@@ -147,7 +147,7 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = 
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
-    counts = np.bincount(raw, minlength=256) if ZSTD_RLE in codecs or ZSTD_RADIX in codecs else None
+    counts = np.bincount(raw, minlength=256) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK} else None
     for c in codecs:
         if not _can_win(c, counts):
             continue

@@ -154,3 +154,11 @@ def test_a_runs_or_rank_stream_with_a_bad_header_is_refused():
         codec.decompress(b"\x11" + rank[1:], codec.ZSTD_RANK, a.size)
     with pytest.raises(codec.CodecError, match="rank 2 of an alphabet of 2"):
         codec.decompress(b"\x02\x00\x01" + rank[4:], codec.ZSTD_RANK, a.size)
+
+
+@pytest.mark.parametrize("codecs", [(codec.ZSTD_RUNS,), (codec.ZSTD_RANK,), (codec.ZSTD_RADIX, codec.ZSTD_RANK)])
+def test_compress_best_with_only_the_new_codecs(codecs):
+    """compress_best takes the byte histogram these codecs' choice needs whichever of them it is given."""
+    a = np.array([0, 0, 0, 1, 31, 0, 0, 1] * 40, np.uint8)
+    blob, used = codec.compress_best(a, codecs, codec.CODE_LEVEL)
+    assert used in codecs and codec.decompress(blob, used, a.size) == a.tobytes()
