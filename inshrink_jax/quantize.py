@@ -429,17 +429,10 @@ def encode_tensors(
     return [to_host(d.codes, d.centres, d.protected_in_place, d.bins, x.dtype) for x, d in zip(xs, devs)]
 
 
-_plus_offset = jax.jit(plus_offset, static_argnames=("dtype",))
-_times_scale = jax.jit(times_scale, static_argnames=("dtype",))
-
-
-def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
-           scale: jax.Array | None = None) -> jax.Array:
-    """The dequantized tensor (pruned -> 0, quantized -> its centre, protected -> its stored value), in the
-    original dtype, on `device` (default device if None); with `offset` (an array on that device), the codes
-    are a residual and the result is offset + the decoded residual (`plus_offset`); with `scale` (an array on
-    that device), the centres are ratios and the result is centre * sqrt(scale) (`times_scale`)."""
-    pos = protected_positions(enc.codes, enc.bins)
+def _checked_positions(enc: EncodedTensor, pos: np.ndarray | None = None) -> np.ndarray:
+    """The flat positions of an encoded tensor's protected weights (`pos` if the caller has them already), after
+    checking that it holds one value for each and no code past the protected one (ValueError)."""
+    pos = protected_positions(enc.codes, enc.bins) if pos is None else pos
     if pos.size != enc.protected.size:
         raise ValueError(
             f"corrupt encoded tensor: {pos.size} protected codes but {enc.protected.size} protected values"
@@ -447,6 +440,21 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
     if enc.codes.size and int(enc.codes.max()) > enc.centres.size + 1:
         raise ValueError(f"corrupt encoded tensor: code {int(enc.codes.max())} is above the protected code "
                          f"{enc.centres.size + 1} of its {enc.centres.size} levels")
+    return pos
+
+
+_plus_offset = jax.jit(plus_offset, static_argnames=("dtype",))
+_times_scale = jax.jit(times_scale, static_argnames=("dtype",))
+
+
+def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
+           scale: jax.Array | None = None, positions: np.ndarray | None = None) -> jax.Array:
+    """The dequantized tensor (pruned -> 0, quantized -> its centre, protected -> its stored value), in the
+    original dtype, on `device` (default device if None); with `offset` (an array on that device), the codes
+    are a residual and the result is offset + the decoded residual (`plus_offset`); with `scale` (an array on
+    that device), the centres are ratios and the result is centre * sqrt(scale) (`times_scale`). `positions`:
+    the protected weights' flat positions (`protected_positions` of the codes), if the caller has them."""
+    pos = _checked_positions(enc, positions)
     # The table lookup and the protected values are exact (no arithmetic): done on the host, so a restore
     # compiles nothing per leaf shape or level count; only the closed-loop sum runs on the device, in the jitted
     # formula the save computed its reconstruction with (plus_offset), so the result is bit-identical to it.
@@ -461,3 +469,83 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
     if offset is None:
         return jax.device_put(out, device)
     return _plus_offset(jax.device_put(out, device), offset, dtype=jnp.dtype(enc.dtype))
+
+
+def _table(enc: EncodedTensor, work) -> np.ndarray:
+    """code -> value for every uint8 code (0 pruned, 1..K the centres, the protected code and above 0), in
+    `work`: one shape for any number of levels, so the chain kernel compiles once per chain, not per level count."""
+    table = np.zeros(256, work)
+    table[1:enc.bins + 1] = enc.centres.astype(work)
+    return table
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _decode_chain(first, first_table, codes, tables, fix_at, fix_values, *, dtype):
+    """The chain's reconstruction from its first link (values in `dtype`, or codes into `first_table`) and each
+    later link's residual codes, per link the formula of the save (`plus_offset`); then `fix_values` put at
+    `fix_at` (positions past the end are dropped). Flat arrays."""
+    a = first if first_table is None else first_table[first]
+    for c, t in zip(codes, tables):
+        a = plus_offset(t[c], a, dtype)
+        if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
+            a = jax.lax.optimization_barrier(a)
+    return a.at[fix_at].set(fix_values, mode="drop")
+
+
+def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedTensor], device=None,
+                 positions: Sequence[np.ndarray] | None = None) -> jax.Array:
+    """A closed-loop chain decoded: `first` (a keyframe's encoded tensor, or the exact values of a lossless first
+    link) plus each residual in turn, `decode(residual, offset=the reconstruction so far)` link by link, bit for
+    bit, in one jitted call on `device` (default device if None).
+
+    One pass over the tensor for the whole chain (a deep restore adds up to `keyframe_every - 1` residuals): the
+    kernel reads each link's codes once, and the protected weights, whose stored values replace a link's level at a
+    few positions, are recomputed link by link on the host at those positions only and put in at the end. The
+    kernel compiles once per tensor size, chain length, dtype and power of two of the protected positions.
+    `positions`: per encoded link (`first` if it is one, then the residuals), its protected weights' flat
+    positions, if the caller has them."""
+    dtype = np.dtype(jnp.dtype(first.dtype if isinstance(first, EncodedTensor) else first.dtype))
+    shape = first.codes.shape if isinstance(first, EncodedTensor) else first.shape
+    f32 = np.dtype(np.float32)
+    links = ([] if not isinstance(first, EncodedTensor) else [first]) + list(residuals)
+    positions = [_checked_positions(e, p) for e, p in zip(links, positions or [None] * len(links))]
+    for e in residuals:
+        if e.codes.shape != tuple(shape):
+            raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape {tuple(shape)}")
+    # Every protected position once (`at`, ascending), and where each link's positions are in it (`where`): a
+    # stable sort of the links' ascending positions merges them.
+    cat = np.concatenate(positions) if positions else np.zeros(0, np.int32)
+    order = np.argsort(cat, kind="stable")
+    merged = cat[order]
+    new = np.concatenate([merged[:1] >= 0, merged[1:] != merged[:-1]])
+    at = merged[new]
+    index = np.empty(cat.size, np.int64)
+    index[order] = np.cumsum(new) - 1
+    where = np.split(index, np.cumsum([p.size for p in positions])[:-1]) if positions else []
+    # The protected positions, link by link with the save's formulas (decode, plus_offset) in NumPy.
+    if isinstance(first, EncodedTensor):
+        a = _table(first, dtype)[first.codes.reshape(-1)[at]]
+        a[where[0]] = first.protected.astype(dtype)
+    else:
+        a = np.asarray(first).reshape(-1)[at]
+    for e, w in zip(residuals, where[len(links) - len(residuals):]):
+        r = _table(e, f32)[e.codes.reshape(-1)[at]]
+        r[w] = e.protected.astype(f32)
+        off = a.astype(f32)
+        a = (r + np.where(np.isfinite(off), off, f32.type(0))).astype(dtype)
+    size = 1 << max(at.size - 1, 0).bit_length() if at.size else 0  # padded: few shapes to compile
+    n = int(np.prod(shape, dtype=np.int64))
+    fix_at = np.full(size, n, np.int32)
+    fix_at[:at.size] = at
+    fix_values = np.zeros(size, dtype)
+    fix_values[:at.size] = a
+    put = functools.partial(jax.device_put, device=device)
+    if not residuals and not isinstance(first, EncodedTensor):
+        return put(np.asarray(first))
+    if isinstance(first, EncodedTensor):
+        start, start_table = put(first.codes.reshape(-1)), put(_table(first, dtype))
+    else:
+        start, start_table = put(np.asarray(first).reshape(-1)), None
+    out = _decode_chain(start, start_table, [put(e.codes.reshape(-1)) for e in residuals],
+                        [put(_table(e, f32)) for e in residuals], put(fix_at), put(fix_values), dtype=jnp.dtype(dtype))
+    return out.reshape(shape)

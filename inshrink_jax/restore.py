@@ -60,7 +60,7 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
                                  "over yourself") from None
             raise
     # A target of None (a partial restore's subtree) or ... (Orbax's PLACEHOLDER) is not read: it stays as it is.
-    reader.shared_values = {}
+    reader.shared_values, reader.decode_threads = {}, threads
     try:  # leaf by leaf: a restore's peak memory is that of its largest leaf, not of several at once
         if concurrent_bytes is None:
             decode_codes(reader, pairs, threads)
@@ -361,10 +361,11 @@ def _prng_key(reader, meta: records.Leaf, target, what: str):
 
 
 def _encoded(box, shards: list, codes_of: Callable, protected_of: Callable, centres: np.ndarray, dtype: str,
-             what: str) -> quantize.EncodedTensor:
+             what: str) -> tuple[quantize.EncodedTensor, np.ndarray]:
     """The encoded tensor of `box` (codes, protected values in its row-major order) from stored `shards`
-    [(process, Shard)] of one object: `codes_of(p, e)` gives a shard's codes, `protected_of(p, e)` the flat
-    positions in that shard of its protected weights and their values."""
+    [(process, Shard)] of one object, and the flat positions of its protected weights: `codes_of(p, e)` gives a
+    shard's codes, `protected_of(p, e)` the flat positions in that shard of its protected weights and their
+    values."""
     codes = _fill(box, np.uint8,
                   [(e.box, (lambda p=p, e=e: codes_of(p, e))) for p, e in shards], what)
     pos_parts, val_parts = [], []
@@ -379,25 +380,23 @@ def _encoded(box, shards: list, codes_of: Callable, protected_of: Callable, cent
             inside &= (g >= lo) & (g < hi)
         pos_parts.append(np.ravel_multi_index(tuple(g[inside] - b[0] for g, b in zip(glob, box)), codes.shape))
         val_parts.append(vals[inside])
-    order = np.argsort(np.concatenate(pos_parts), kind="stable") if pos_parts else np.zeros(0, np.int64)
+    positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, np.int64)
+    order = np.argsort(positions, kind="stable")
     values = np.concatenate(val_parts)[order] if val_parts else np.zeros(0, np.float32)
-    return quantize.EncodedTensor(codes, centres, values, dtype)
+    return quantize.EncodedTensor(codes, centres, values, dtype), positions[order]
 
 
 def _protected_reader(codes_of: Callable, array_of: Callable, bins: int, what: str) -> Callable:
     """`protected_of` for `_encoded`: a shard's protected positions and values, read once per shard."""
-    cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def protected_of(p, e):
-        if id(e) not in cache:
-            seg = e.segments["protected"]
-            local = quantize.protected_positions(codes_of(p, e), bins)
-            vals = array_of(p, seg, "protected", jnp.dtype(seg.dtype), [seg.count or 0])
-            if local.size != vals.size:
-                raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
-            cache[id(e)] = (local, vals)
-        return cache[id(e)]
-    return protected_of
+        seg = e.segments["protected"]
+        local = quantize.protected_positions(codes_of(p, e), bins)
+        vals = array_of(p, seg, "protected", jnp.dtype(seg.dtype), [seg.count or 0])
+        if local.size != vals.size:
+            raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
+        return local, vals
+    return _once(protected_of)
 
 
 def _quantized(reader, meta: records.Leaf, target, what: str):
@@ -421,8 +420,9 @@ def _quantized(reader, meta: records.Leaf, target, what: str):
     scales = _scales(reader, meta, sharding, what) if meta.scale_leaf is not None else None
 
     def decode(box, dev):
-        return quantize.decode(encoded(box), dev, None if offsets is None else offsets[dev],
-                               None if scales is None else scales[dev])
+        enc, positions = encoded(box)
+        return quantize.decode(enc, dev, None if offsets is None else offsets[dev],
+                               None if scales is None else scales[dev], positions)
 
     if _is_numpy(meta, target):
         return np.asarray(decode([[0, n] for n in shape], None))
@@ -430,15 +430,16 @@ def _quantized(reader, meta: records.Leaf, target, what: str):
 
 
 def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
-    """A parameter of a closed-loop chain: its first link (a keyframe's codes, or exact values) decoded, then
-    each later link's residual added to it (`quantize.decode` with the reconstruction so far as the offset: the
-    formula the save computed its reconstruction with, so the result is bit-identical to it), per device."""
+    """A parameter of a closed-loop chain: its first link (a keyframe's codes, or exact values) and each later
+    link's residual, decoded in one pass per device (`quantize.decode_chain`: the formula the save computed its
+    reconstruction with, so the result is bit-identical to it). The links' codes are decompressed first, in
+    parallel threads (zstandard and NumPy release the GIL)."""
     shape, dtype = tuple(meta.shape), np.dtype(jnp.dtype(meta.dtype))
     links = []
     for obj, shards in reader.links(meta.keystr):
         if "data" in shards[0][1].segments:
-            links.append((shards, None, (lambda p, e, obj=obj: obj.array(meta.keystr, p, e.segments["data"], "data",
-                                                                          dtype, store.box_shape(e.box)))))
+            links.append((shards, None, _once(lambda p, e, obj=obj: obj.array(
+                meta.keystr, p, e.segments["data"], "data", dtype, store.box_shape(e.box)))))
             continue
         levels = {tuple(e.segments["codes"].levels or ()) for _, e in shards}
         if len(levels) != 1 or not 1 <= len(next(iter(levels))) <= records.MAX_LEVELS:
@@ -447,36 +448,52 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
         codes_of = _link_codes(obj, meta.keystr, centres.size, what)
         protected_of = _protected_reader(codes_of, lambda *a, obj=obj: obj.array(meta.keystr, *a), centres.size, what)
         links.append((shards, centres, (codes_of, protected_of)))
+    numpy = _is_numpy(meta, target)
+    sharding = None if numpy else target_sharding(target)
+    boxes = [[[0, n] for n in shape]] if numpy else [
+        store.box_of(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()]
+    reads = [(read if centres is None else read[1], p, e) for shards, centres, read in links for p, e in shards
+             if any(overlap(b, e.box) is not None for b in boxes)]
+    with concurrent.futures.ThreadPoolExecutor(max(1, reader.decode_threads)) as pool:
+        list(pool.map(lambda r: r[0](r[1], r[2]), reads))
 
     def build(box, dev):
-        recon = None
+        parts, positions = [], []
         for shards, centres, read in links:
             if centres is None:
-                values = _fill(box, dtype,
-                               [(e.box, (lambda p=p, e=e: read(p, e))) for p, e in shards], what)
-                recon = jax.device_put(values, dev)
+                parts.append(_fill(box, dtype, [(e.box, (lambda p=p, e=e: read(p, e))) for p, e in shards], what))
             else:
-                recon = quantize.decode(_encoded(box, shards, *read, centres, meta.dtype, what), dev, recon)
-        return recon
+                enc, pos = _encoded(box, shards, *read, centres, meta.dtype, what)
+                parts.append(enc)
+                positions.append(pos)
+        return quantize.decode_chain(parts[0], parts[1:], dev, positions)
 
-    if _is_numpy(meta, target):
-        return np.asarray(build([[0, n] for n in shape], None))
-    return _make_array(shape, target_sharding(target), build, what)
+    if numpy:
+        return np.asarray(build(boxes[0], None))
+    return _make_array(shape, sharding, build, what)
+
+
+def _once(read: Callable) -> Callable:
+    """`read(p, e)` of a stored shard, computed once per shard."""
+    cache: dict[int, Any] = {}
+
+    def once(p, e):
+        if id(e) not in cache:
+            cache[id(e)] = read(p, e)
+        return cache[id(e)]
+    return once
 
 
 def _link_codes(obj, leaf: str, bins: int, what: str) -> Callable:
     """`codes_of` for one closed-loop link: a shard's codes, read once and checked to be codes of `bins` levels."""
-    cache: dict[int, np.ndarray] = {}
 
     def codes_of(p, e):
-        if id(e) not in cache:
-            codes = obj.array(leaf, p, e.segments["codes"], "codes", np.uint8, store.box_shape(e.box))
-            if codes.size and int(codes.max()) > quantize.protected_code(bins):
-                raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds code {int(codes.max())}, above "
-                                                   f"the {quantize.protected_code(bins)} of its {bins} levels")
-            cache[id(e)] = codes
-        return cache[id(e)]
-    return codes_of
+        codes = obj.array(leaf, p, e.segments["codes"], "codes", np.uint8, store.box_shape(e.box))
+        if codes.size and int(codes.max()) > quantize.protected_code(bins):
+            raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds code {int(codes.max())}, above "
+                                               f"the {quantize.protected_code(bins)} of its {bins} levels")
+        return codes
+    return _once(codes_of)
 
 
 def _scales(reader: store.Reader, meta: records.Leaf, sharding, what: str) -> dict:

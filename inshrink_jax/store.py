@@ -629,6 +629,7 @@ class Reader:
         # decode also needs (restore.restore_leaf), so it is decoded once, not twice; None between restores.
         self.scale_leaves = {m.scale_leaf for m in self.manifest.leaves if m.scale_leaf is not None}
         self.shared_values: dict[tuple, Any] | None = None
+        self.decode_threads = 1  # threads a restore decodes a leaf's streams with (restore.restore sets it)
 
     def check_tiling(self, meta: records.Leaf, shards: list, object_id: str) -> None:
         """The stored shards of a leaf in one object lie inside the manifest's shape of it and cover it exactly

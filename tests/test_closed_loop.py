@@ -197,6 +197,43 @@ def test_sharded_save_restored_replicated_continues_the_chain(tmp_path):
     assert r2["w"].sharding == split and rms(r2["w"], states[2]["w"]) < rms(restored["w"], states[1]["w"])
 
 
+def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path):
+    """A restore of each link, whole, into shards and as NumPy, is bit for bit the reconstruction the saving process
+    held (what its next residual was coded against): float32, bfloat16 and float16 leaves, with protected weights in
+    the keyframe and the residuals, and a non-finite weight."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+    root = tmp_path / "run"
+    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(
+        search=False, quant=ij.QuantConfig(bins=8, protect_fraction=0.02), keyframe_every=6))
+    mngr = ocp.CheckpointManager(root, item_handlers=handler)
+    held = []
+    for step, s in enumerate(walk(7, 6)):
+        s = {**s, "h": s["w"][:, :32].astype(jnp.float16)}
+        if step == 2:
+            s["w"] = s["w"].at[3, 3].set(jnp.inf)
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+        (_, committed), = handler._states.values()  # noqa: SLF001 (what the next save builds on)
+        held.append({k: np.asarray(v) for k, v in committed.result().recon.items()})
+    assert [mngr.item_metadata(s)["chain_depth"] for s in range(6)] == [0, 1, 2, 3, 4, 5]
+    for step in range(6):
+        fresh = manager(root)
+        saved = fresh.item_metadata(step)["tree"]
+        plain = fresh.restore(step)
+        as_numpy = manager(root).restore(step, args=ij.InshrinkRestore(
+            {k: np.zeros(v.shape, v.dtype) for k, v in saved.items()}))
+        sharded = manager(root).restore(step, args=ij.InshrinkRestore(
+            {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=split if len(v.shape) == 2 else None)
+             for k, v in saved.items()}))
+        for name in ("w", "v", "h", "b"):
+            expect = held[step][f"['{name}']"]
+            for out in (plain, as_numpy, sharded):
+                assert out[name].dtype == expect.dtype
+                np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), expect.view(np.uint8))
+    assert np.isposinf(held[2]["['w']"][3, 3]) and np.isfinite(held[3]["['w']"][3, 3])
+
+
 def test_a_missing_or_corrupt_link_is_a_named_error(tmp_path):
     mngr = manager(tmp_path)
     for step, s in enumerate(walk(6, 3)):
