@@ -41,7 +41,7 @@ from inshrink_jax import quantize
 m = ocp.CheckpointManager(sys.argv[1], item_handlers=ij.InshrinkCheckpointHandler())
 t = time.perf_counter()
 jax.block_until_ready(m.restore(int(sys.argv[2]), args=ij.InshrinkRestore()))
-print(json.dumps({"seconds": time.perf_counter() - t, "kernels": quantize._plus_offset._cache_size()}))
+print(json.dumps({"seconds": time.perf_counter() - t, "kernels": quantize._chain_group._cache_size()}))
 """
 
 

@@ -479,29 +479,45 @@ def _table(enc: EncodedTensor, work) -> np.ndarray:
     return table
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _decode_chain(first, first_table, codes, tables, fix_at, fix_values, *, dtype):
-    """The chain's reconstruction from its first link (values in `dtype`, or codes into `first_table`) and each
-    later link's residual codes, per link the formula of the save (`plus_offset`); then `fix_values` put at
-    `fix_at` (positions past the end are dropped). Flat arrays."""
-    a = first if first_table is None else first_table[first]
-    for c, t in zip(codes, tables):
-        a = plus_offset(t[c], a, dtype)
+# A chain's residual links are added in groups of this many per kernel call (the last group padded with links
+# that change nothing): the kernels compile once per tensor size, whatever the chain's length.
+CHAIN_GROUP = 4
+
+
+@jax.jit
+def _chain_start(codes, table):
+    """A keyframe link's values: `table` (in the leaf's dtype) looked up by its codes."""
+    return table[codes]
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
+def _chain_group(a, codes, tables, used, *, dtype):
+    """`a` plus each of `CHAIN_GROUP` links' residuals where `used`, per link the formula of the save
+    (`plus_offset`)."""
+    for i, (c, t) in enumerate(zip(codes, tables)):
+        a = jnp.where(used[i], plus_offset(t[c], a, dtype), a)
         if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
             a = jax.lax.optimization_barrier(a)
-    return a.at[fix_at].set(fix_values, mode="drop")
+    return a
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _put_at(a, at, values):
+    """`a` with `values` at positions `at` (positions past the end are dropped). Flat arrays."""
+    return a.at[at].set(values, mode="drop")
 
 
 def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedTensor], device=None,
                  positions: Sequence[np.ndarray] | None = None) -> jax.Array:
     """A closed-loop chain decoded: `first` (a keyframe's encoded tensor, or the exact values of a lossless first
     link) plus each residual in turn, `decode(residual, offset=the reconstruction so far)` link by link, bit for
-    bit, in one jitted call on `device` (default device if None).
+    bit, in jitted kernels on `device` (default device if None).
 
-    One pass over the tensor for the whole chain (a deep restore adds up to `keyframe_every - 1` residuals): the
-    kernel reads each link's codes once, and the protected weights, whose stored values replace a link's level at a
+    One pass over the tensor per `CHAIN_GROUP` links (a deep restore adds up to `keyframe_every - 1` residuals):
+    the kernels read each link's codes once, and the protected weights, whose stored values replace a link's level at a
     few positions, are recomputed link by link on the host at those positions only and put in at the end. The
-    kernel compiles once per tensor size, chain length, dtype and power of two of the protected positions.
+    kernels work on flat arrays and compile once per tensor size and dtype (and power of two of the protected
+    positions), whatever the chain's length: the residuals are added `CHAIN_GROUP` at a time.
     `positions`: per encoded link (`first` if it is one, then the residuals), its protected weights' flat
     positions, if the caller has them."""
     dtype = np.dtype(jnp.dtype(first.dtype if isinstance(first, EncodedTensor) else first.dtype))
@@ -540,12 +556,17 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     fix_values = np.zeros(size, dtype)
     fix_values[:at.size] = a
     put = functools.partial(jax.device_put, device=device)
-    if not residuals and not isinstance(first, EncodedTensor):
-        return put(np.asarray(first))
     if isinstance(first, EncodedTensor):
-        start, start_table = put(first.codes.reshape(-1)), put(_table(first, dtype))
+        out = _chain_start(put(first.codes.reshape(-1)), put(_table(first, dtype)))
     else:
-        start, start_table = put(np.asarray(first).reshape(-1)), None
-    out = _decode_chain(start, start_table, [put(e.codes.reshape(-1)) for e in residuals],
-                        [put(_table(e, f32)) for e in residuals], put(fix_at), put(fix_values), dtype=jnp.dtype(dtype))
+        out = put(np.array(first).reshape(-1))  # a copy: the kernels below update it in place
+    for g in range(0, len(residuals), CHAIN_GROUP):
+        group = residuals[g:g + CHAIN_GROUP]
+        codes = [put(e.codes.reshape(-1)) for e in group]
+        tables = [put(_table(e, f32)) for e in group]
+        pad = CHAIN_GROUP - len(group)
+        out = _chain_group(out, codes + codes[-1:] * pad, tables + tables[-1:] * pad,
+                           put(np.arange(CHAIN_GROUP) < len(group)), dtype=jnp.dtype(dtype))
+    if at.size:
+        out = _put_at(out, put(fix_at), put(fix_values))
     return out.reshape(shape)

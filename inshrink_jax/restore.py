@@ -429,10 +429,15 @@ def _quantized(reader, meta: records.Leaf, target, what: str):
     return _make_array(shape, sharding, decode, what)
 
 
+# A closed-loop leaf of at least this many elements decompresses its links' streams in parallel threads; a smaller
+# one costs less than starting them.
+_THREADED_SIZE = 1 << 18
+
+
 def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
     """A parameter of a closed-loop chain: its first link (a keyframe's codes, or exact values) and each later
     link's residual, decoded in one pass per device (`quantize.decode_chain`: the formula the save computed its
-    reconstruction with, so the result is bit-identical to it). The links' codes are decompressed first, in
+    reconstruction with, so the result is bit-identical to it). A large leaf's links are decompressed first, in
     parallel threads (zstandard and NumPy release the GIL)."""
     shape, dtype = tuple(meta.shape), np.dtype(jnp.dtype(meta.dtype))
     links = []
@@ -454,8 +459,9 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
         store.box_of(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()]
     reads = [(read if centres is None else read[1], p, e) for shards, centres, read in links for p, e in shards
              if any(overlap(b, e.box) is not None for b in boxes)]
-    with concurrent.futures.ThreadPoolExecutor(max(1, reader.decode_threads)) as pool:
-        list(pool.map(lambda r: r[0](r[1], r[2]), reads))
+    if len(reads) > 1 and int(np.prod(shape, dtype=np.int64)) >= _THREADED_SIZE:
+        with concurrent.futures.ThreadPoolExecutor(max(1, reader.decode_threads)) as pool:
+            list(pool.map(lambda r: r[0](r[1], r[2]), reads))
 
     def build(box, dev):
         parts, positions = [], []

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import cli, codec, config, records, save, store
+from inshrink_jax import cli, codec, config, records, restore, save, store
 
 
 def manager(root, max_to_keep=None, **cfg):
@@ -197,10 +197,13 @@ def test_sharded_save_restored_replicated_continues_the_chain(tmp_path):
     assert r2["w"].sharding == split and rms(r2["w"], states[2]["w"]) < rms(restored["w"], states[1]["w"])
 
 
-def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path, monkeypatch, threaded):
     """A restore of each link, whole, into shards and as NumPy, is bit for bit the reconstruction the saving process
     held (what its next residual was coded against): float32, bfloat16 and float16 leaves, with protected weights in
-    the keyframe and the residuals, and a non-finite weight."""
+    the keyframe and the residuals, and a non-finite weight; with the links' streams decompressed in threads (as
+    for a large leaf) or not."""
+    monkeypatch.setattr(restore, "_THREADED_SIZE", 0 if threaded else 1 << 40)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
     root = tmp_path / "run"
