@@ -99,7 +99,7 @@ def _encode_moments(ms, key, *, buckets, bins, spec, iters, tol, restarts, dtype
         keep = finite & ((bits & 0x7FFFFFFF) != 0)
         mag = jnp.abs(m32)
         prepared.append((m, finite, keep, bits < 0, mag))
-        hists.append(jax.vmap(lambda v, k: sketch.histogram(v, spec, k))(mag, keep))
+        hists.append(quantize.per_tensor_map(lambda v, k: sketch.histogram(v, spec, k), mag, keep))
     counts = jnp.concatenate(hists).astype(jnp.float32)
     order = [i for b in buckets for i in b]  # the moment of each row of `counts`
     weights = jnp.where(positive, counts / jnp.maximum(jnp.max(counts, axis=1, keepdims=True), 1.0), 0.0)

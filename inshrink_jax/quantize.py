@@ -172,7 +172,7 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
 
     `buckets` (static) partitions the tensors into groups of the same shape, dtypes, sharding and kind (see
     `buckets`): each group is stacked on a leading axis and its per-tensor passes (protect thresholds,
-    histograms, codes) run once, vmapped, so the compiled program grows with the number of distinct tensor
+    histograms, codes) run once, vmapped (`per_tensor_map`), so the compiled program grows with the number of distinct tensor
     shapes, not with the number of tensors (a 24-layer transformer has 390 parameter tensors of a dozen
     shapes). Integer counts and thresholds make the result identical to encoding the tensors one by one."""
     def per_tensor(a):  # every axis but the stacking one
@@ -190,9 +190,9 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     protected = []
     for (x32, finite, mag, sens), (_, g) in zip(scored, groups):
         k = _round_count(protect_fraction, jnp.sum(finite.astype(jnp.int32), axis=per_tensor(finite)))
-        p = jax.vmap(top)(mag, finite, k)
+        p = per_tensor_map(top, mag, finite, k)
         if g is not None:
-            p = p | jax.vmap(top)(sens, finite, k)
+            p = p | per_tensor_map(top, sens, finite, k)
         protected.append(p | ~finite)
 
     metric = [(jnp.where(use_sensitivity, sens, mag) if g is not None else mag)
@@ -207,7 +207,7 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
         pruned = [jnp.zeros_like(p) for p in protected]
 
     quantized = [~p & ~q for p, q in zip(protected, pruned)]
-    counts = jnp.concatenate([jax.vmap(lambda x, m: sketch.histogram(x, spec, m))(x32, m)
+    counts = jnp.concatenate([per_tensor_map(lambda x, m: sketch.histogram(x, spec, m), x32, m)
                               for (x32, _, _, _), m in zip(scored, quantized)])
     order = [i for b in buckets for i in b]  # the tensor of each row of `counts`
     keys = jax.random.split(key, len(xs))[np.asarray(order)]
@@ -254,6 +254,21 @@ def buckets(*columns: Sequence) -> tuple[tuple[int, ...], ...]:
     for i, row in enumerate(zip(*columns)):
         out.setdefault(tuple(sig(a) for a in row), []).append(i)
     return tuple(tuple(b) for b in out.values())
+
+
+# A stacked group's scatter passes (histograms, exact thresholds) run vmapped over its tensors below this many
+# elements a tensor, and tensor by tensor (lax.map, one compiled body) from it: XLA's batched scatter on CPU took
+# about twice the time of one scatter per tensor on 25M-element tensors (the 100M-parameter save of
+# benchmarks/results/handler.md).
+MAP_MIN_SIZE = 1 << 20
+
+
+def per_tensor_map(f, *stacked_args):
+    """`f` of each tensor of a stacked group (leading axis), stacked: vmapped, or `lax.map` for large tensors
+    (`MAP_MIN_SIZE`). Same results either way."""
+    if stacked_args[0][0].size >= MAP_MIN_SIZE:
+        return jax.lax.map(lambda a: f(*a), stacked_args)
+    return jax.vmap(f)(*stacked_args)
 
 
 def stacked(arrs: Sequence[jax.Array]) -> jax.Array:
