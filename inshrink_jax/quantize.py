@@ -471,8 +471,9 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
     the protected weights' flat positions (`protected_positions` of the codes), if the caller has them."""
     pos = _checked_positions(enc, positions)
     # The table lookup and the protected values are exact (no arithmetic): done on the host, so a restore
-    # compiles nothing per leaf shape or level count; only the closed-loop sum runs on the device, in the jitted
-    # formula the save computed its reconstruction with (plus_offset), so the result is bit-identical to it.
+    # compiles nothing per leaf shape or level count; only the sum with an offset (a fine-tune's base) runs on the
+    # device, in the jitted formula the save computed it with (plus_offset), so the result is bit-identical to it.
+    # (Closed-loop chains decode with `decode_chain`.)
     work = np.dtype(jnp.dtype(enc.dtype)) if offset is None and scale is None else np.dtype(np.float32)
     table = np.concatenate([np.zeros(1, enc.centres.dtype), enc.centres, np.zeros(1, enc.centres.dtype)]).astype(work)
     out = table[enc.codes]
@@ -488,7 +489,7 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
 
 def _table(enc: EncodedTensor, work) -> np.ndarray:
     """code -> value for every uint8 code (0 pruned, 1..K the centres, the protected code and above 0), in
-    `work`: one shape for any number of levels, so the chain kernel compiles once per chain, not per level count."""
+    `work`: one shape for any number of levels, so the chain kernels do not compile per level count."""
     table = np.zeros(256, work)
     table[1:enc.bins + 1] = enc.centres.astype(work)
     return table
@@ -571,6 +572,8 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     fix_values = np.zeros(size, dtype)
     fix_values[:at.size] = a
     put = functools.partial(jax.device_put, device=device)
+    if not residuals and not isinstance(first, EncodedTensor):
+        return put(np.asarray(first))  # a lossless first link alone: its exact values
     if isinstance(first, EncodedTensor):
         out = _chain_start(put(first.codes.reshape(-1)), put(_table(first, dtype)))
     else:
