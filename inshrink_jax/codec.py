@@ -281,7 +281,7 @@ def _decompress_rank(blob: bytes, size: int) -> bytes:
     return alphabet[ranks].tobytes()
 
 
-_RLE_CHUNK = 1 << 20  # run bytes summed at a time
+_RLE_CHUNK = 1 << 18  # run bytes summed at a time (each chunk holds a few int64 temporaries of its size)
 
 
 def _decompress_rle(blob: bytes, size: int, coded_values: bool) -> bytes:
