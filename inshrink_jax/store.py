@@ -33,6 +33,7 @@ import contextlib
 import json
 import math
 import re
+import threading
 import warnings
 import zlib
 from typing import Any
@@ -475,6 +476,11 @@ def collect_garbage(root, item: str, current=None, dry_run: bool = False, concur
 
 
 # ---------------------------------------------------------------------------------------------------- read
+# A blob of at most this many bytes is read whole on its first segment and kept while its object is open (for the
+# Reader's lifetime); larger ones are read segment by segment, so a restore's memory stays bounded by its leaves.
+WHOLE_READ_BYTES = 1 << 20
+
+
 class _Object:
     """Checked access to one object's offset tables and blobs."""
 
@@ -519,6 +525,8 @@ class _Object:
             raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
                                          "match the step's commit record (file replaced or corrupted)")
         self._sizes: dict[tuple[int, str], int] = {}
+        self._files: dict[tuple[int, str], bytes] = {}  # small blobs, read whole once (`segment`)
+        self._files_lock = threading.Lock()
         self.entries: dict[tuple, tuple[int, records.Shard]] = {}
         self.by_leaf: dict[str, list[tuple[int, records.Shard]]] = {}
         for p, rec in enumerate(self.commit["processes"]):
@@ -541,15 +549,31 @@ class _Object:
             if size != expect or seg.offset + seg.length > size:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: {path} has {size} bytes, "
                                              f"expected {expect} (truncated?)")
-            with path.open("rb") as f:
-                f.seek(seg.offset)
-                data = f.read(seg.length)
+            if size <= WHOLE_READ_BYTES:
+                data = self._whole(p, seg.file, path, size)[seg.offset:seg.offset + seg.length]
+            else:
+                with path.open("rb") as f:
+                    f.seek(seg.offset)
+                    data = f.read(seg.length)
         except FileNotFoundError:
             raise _missing(self.directory, f"{path} (read for leaf {leaf})") from None
         if len(data) != seg.length or crc32(data) != seg.crc32:
             raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} in {path} "
                                          "does not match its checksum (corrupted file)")
         return data
+
+    def _whole(self, p: int, file: str, path, size: int) -> bytes:
+        """All `size` bytes of a small blob, read once: a restore reads every segment of a chain's objects, and
+        opening the file for each (thousands for a deep chain of a small model) cost more than reading it."""
+        with self._files_lock:
+            if (p, file) not in self._files:
+                with path.open("rb") as f:
+                    data = f.read(size + 1)
+                if len(data) != size:
+                    raise CheckpointCorruptError(f"{describe(self.directory)}: {path} has {len(data)} bytes, "
+                                                 f"expected {size} (changed while read?)")
+                self._files[(p, file)] = data
+            return self._files[(p, file)]
 
     def array(self, leaf: str, p: int, seg: records.Segment, name: str, dtype, shape) -> np.ndarray:
         """The one checked decode path: a segment's bytes (checksum), decompressed to exactly the size of
