@@ -8,7 +8,8 @@ CompressionConfig (or --config overrides, as bench_fidelity.py's inshrink[...]),
 loss as eval_fn, saving every 30 steps --saves times. Then splits the last save's bytes by leaf group (parameters,
 Adam's mu and nu; quantized or stored exactly) and by file (code and data blobs, manifest, offset table), and
 restores that step without a target in a fresh Python process: wall time and the number of decode kernels it
-compiled.
+compiled; then, in that process, the same restore again (warm) alternated with Orbax's StandardCheckpointer
+restoring the same state from its own checkpoint (medians, and their ratio).
 """
 
 from __future__ import annotations
@@ -34,15 +35,30 @@ import report  # noqa: E402
 from inshrink_jax import store  # noqa: E402
 
 RESTORE = """
-import json, sys, time
+import json, statistics, sys, tempfile, time
 import jax, orbax.checkpoint as ocp
 import inshrink_jax as ij
 from inshrink_jax import quantize
 m = ocp.CheckpointManager(sys.argv[1], item_handlers=ij.InshrinkCheckpointHandler())
 t = time.perf_counter()
-jax.block_until_ready(m.restore(int(sys.argv[2]), args=ij.InshrinkRestore()))
-print(json.dumps({"seconds": time.perf_counter() - t, "kernels": quantize._chain_group._cache_size()}))
+state = jax.block_until_ready(m.restore(int(sys.argv[2]), args=ij.InshrinkRestore()))
+first, kernels = time.perf_counter() - t, quantize._chain_group._cache_size()
+# Then, alternately, the same restore again and Orbax's restore of the same state from its default checkpoint.
+std, path = ocp.StandardCheckpointer(), tempfile.mkdtemp() + "/std"
+std.save(path, state)
+std.wait_until_finished()
+ours, orbax = [], []
+for _ in range(int(sys.argv[3])):
+    t = time.perf_counter()
+    jax.block_until_ready(m.restore(int(sys.argv[2]), args=ij.InshrinkRestore()))
+    ours.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    jax.block_until_ready(std.restore(path))
+    orbax.append(time.perf_counter() - t)
+print(json.dumps({"seconds": first, "kernels": kernels, "again": statistics.median(ours),
+                  "orbax": statistics.median(orbax)}))
 """
+REPEATS = 7  # warm restores of each kind, alternated; the table gives their medians
 
 
 def main(argv=None):
@@ -87,8 +103,8 @@ def main(argv=None):
         if kind in ("index", "manifest"):  # what the record would be as plain JSON (format 7 wrote it so)
             body, _ = store.read_json(path, kind, os.path.dirname(path))
             as_json[kind] += len(store._canonical(body))
-    out = subprocess.run([sys.executable, "-c", RESTORE, root, str(last)], capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run([sys.executable, "-c", RESTORE, root, str(last), str(REPEATS)], capture_output=True,
+                         text=True, check=True)
     restored = json.loads(out.stdout.strip().splitlines()[-1])
     total = sum(new.values())
     cmd = f"python benchmarks/save_breakdown.py --saves {args.saves}" + \
@@ -104,7 +120,10 @@ def main(argv=None):
     lines += ["", "Records as plain JSON (before zstd): " + ", ".join(f"{k} {v:,} bytes" for k, v in
                                                                    sorted(as_json.items())) + "."]
     lines += ["", f"Restore of step {last} without a target in a new process: {restored['seconds']:.2f} s, "
-                  f"{restored['kernels']} closed-loop decode kernels compiled."]
+                  f"{restored['kernels']} closed-loop decode kernels compiled. The same restore again in that process "
+                  f"(median of {REPEATS}): {restored['again']:.3f} s, against {restored['orbax']:.3f} s for Orbax's "
+                  f"StandardCheckpointer restoring the same state from its default checkpoint, alternated with it: "
+                  f"{restored['again'] / restored['orbax']:.1f}x."]
     report.emit(lines, args.out)
 
 
