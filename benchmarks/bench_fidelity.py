@@ -25,7 +25,8 @@ Methods: inshrink (the default configuration: CompressionConfig() with a Gradien
 inshrink[epsilon=E] (the knob: every data-free budget follows it), inshrink-rb<B> (residual_budget=B alone),
 inshrink-open (the paper's open-loop saves,
 closed_loop=False), inshrink[key=value;...] (any CompressionConfig fields, e.g. 'inshrink[moment_bins=4]'),
-each also as inshrink-uniform... (residual_space=config.UNIFORM_RESIDUAL_SPACE, e.g. inshrink-uniform-rb0.4),
+each also as inshrink-uniform... (residual_space=config.UNIFORM_RESIDUAL_SPACE, e.g. inshrink-uniform-rb0.4) or
+inshrink-entropy... (residual_space=config.ENTROPY_RESIDUAL_SPACE),
 and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
 """
 
@@ -124,13 +125,15 @@ WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM, "lstm": L
 
 
 def method(name: str):
-    """A method of the table: inshrink_jax at a setting (`inshrink`, then optionally `-uniform`, then one of
+    """A method of the table: inshrink_jax at a setting (`inshrink`, then optionally `-uniform` or `-entropy`, then one of
     `-open`, `-rb<B>` or `[key=value;...]`), or a baseline."""
     if not name.startswith("inshrink"):
         return ft.Baseline(name)
     rest, kw = name[len("inshrink"):], {}
     if rest.startswith("-uniform"):
         kw["residual_space"], rest = ft.ij.config.UNIFORM_RESIDUAL_SPACE, rest[len("-uniform"):]
+    elif rest.startswith("-entropy"):
+        kw["residual_space"], rest = ft.ij.config.ENTROPY_RESIDUAL_SPACE, rest[len("-entropy"):]
     if rest == "-open":
         kw["closed_loop"] = False
     elif rest.startswith("-rb"):
@@ -167,7 +170,7 @@ def method_name(name: str) -> str:
         except (ValueError, TypeError, SyntaxError) as e:
             raise argparse.ArgumentTypeError(f"{name!r}: {e}") from None
     raise argparse.ArgumentTypeError(f"unknown method {name!r}: one of {', '.join(METHODS)} or "
-                                     "inshrink[-uniform][-open|-rb<B>|[key=value;...]]")
+                                     "inshrink[-uniform|-entropy][-open|-rb<B>|[key=value;...]]")
 
 
 def spike(r: dict) -> str:

@@ -251,9 +251,12 @@ def _inspect_steps(root: str, steps: dict[int, str], step: int | None, item: str
 def describe_choice(q: dict | str, metric: bool = False) -> str:
     """A quantization configuration as a search record or manifest holds it (a QuantConfig as a dict, or
     "lossless"), in words: "6 bins" or, for a uniform quantizer (the fine keyframe), "254 cells of 0.125 RMS",
-    then its pruning (with its metric if `metric`) and protection."""
+    then its pruning (with its metric if `metric`) and protection; entropy-constrained levels: "0 + 14 levels at
+    rate 0.2, protect 0.00%" (their zero level is their pruning)."""
     if q == "lossless":
         return "lossless"
+    if q.get("rate"):
+        return f"0 + {q['bins']} levels at rate {q['rate']}, protect {q['protect_fraction']:.2%}"
     levels = f"{q['bins']} cells of {q['step']} RMS" if q.get("step") else f"{q['bins']} bins"
     prune = f"prune {q['prune_fraction']:.0%}" + (f" ({q['prune_metric']})" if metric else "")
     return f"{levels}, {prune}, protect {q['protect_fraction']:.2%}"

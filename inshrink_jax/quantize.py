@@ -160,10 +160,10 @@ def times_scale(r: jax.Array, exact: jax.Array, scale: jax.Array, dtype) -> jax.
 
 @functools.partial(
     jax.jit, static_argnames=("buckets", "prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity",
-                              "out_dtypes", "uniform")
+                              "out_dtypes", "uniform", "entropy_slots")
 )
-def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, key, *, buckets,
-                  prunable, spec, sigma, iters, tol, restarts, capacity, out_dtypes, uniform):
+def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, key, *,
+                  buckets, prunable, spec, sigma, iters, tol, restarts, capacity, out_dtypes, uniform, entropy_slots):
     """Codes, centres (`capacity` slots, the first `bins` used) and in-place protected values of the tensors of
     one layer type (they share the prune threshold). The configuration is traced, not static, so one compiled
     kernel serves every candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search
@@ -174,7 +174,13 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     `buckets`): each group is stacked on a leading axis and its per-tensor passes (protect thresholds,
     histograms, codes) run once, vmapped (`per_tensor_map`), so the compiled program grows with the number of distinct tensor
     shapes, not with the number of tensors (a 24-layer transformer has 390 parameter tensors of a dozen
-    shapes). Integer counts and thresholds make the result identical to encoding the tensors one by one."""
+    shapes). Integer counts and thresholds make the result identical to encoding the tensors one by one.
+
+    `entropy_slots` (static; 0: not used): entropy-constrained levels (QuantConfig.rate): a zero level (code 0,
+    as pruned) and `entropy_slots` others, fitted to each tensor's histogram with the code-length weight `rate`
+    times the mean square of the group's quantized values (one slope for every tensor of the group: the bits go
+    where they remove the most squared error); each value takes the level of least squared error plus that
+    weight times the level's code length (`kmeans.entropy_constrained`)."""
     def per_tensor(a):  # every axis but the stacking one
         return tuple(range(1, a.ndim))
 
@@ -199,7 +205,7 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
               for (_, _, mag, sens), (_, g) in zip(scored, groups)]
     can_prune = [prunable[b[0]] for b in buckets]
     candidates = [~p & can for p, can in zip(protected, can_prune)]
-    if any(can_prune):
+    if any(can_prune) and not entropy_slots:  # entropy-constrained levels prune by their zero level
         n = sum(jnp.sum(c.astype(jnp.int32)) for c in candidates)
         keep, _ = threshold.kth_smallest_complement(metric, candidates, _round_count(prune_fraction, n))
         pruned = [c & ~keep.select(m) for c, m in zip(candidates, metric)]
@@ -213,7 +219,17 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     keys = jax.random.split(key, len(xs))[np.asarray(order)]
     # One batched k-means for all tensors of the group (the iteration overhead is paid once), or the uniform
     # quantizer's levels (QuantConfig.step > 0).
-    if uniform:
+    if entropy_slots:
+        reps = jnp.asarray(spec.representatives())
+        hf = counts.astype(jnp.float32)
+        energy = jnp.where(hf > 0, hf * reps * reps, 0.0)
+        lam = rate * jnp.sum(energy) / jnp.maximum(jnp.sum(hf), 1.0)
+        rms = jnp.sqrt(jnp.sum(energy, axis=1) / jnp.maximum(jnp.sum(hf, axis=1), 1.0))
+        penalised = jax.vmap(lambda h, r: kmeans.entropy_constrained(*kmeans.coarsen(reps, h), entropy_slots, lam,
+                                                                     r))(hf, rms)
+        centres = jnp.zeros((len(xs), capacity), jnp.float32).at[:, :entropy_slots].set(penalised[0][:, 1:])
+        widths = jnp.zeros(len(xs), jnp.float32)
+    elif uniform:
         centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins, step, capacity))(counts)
     else:
         centres = jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol,
@@ -226,8 +242,12 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
         c, width = centres[row:row + len(b)], widths[row:row + len(b)]
         # A uniform quantizer's value takes its cell (the level is the cell's mean, not necessarily the nearest
         # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
-        level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
-                     else jax.vmap(kmeans.assign)(x32, c))
+        if entropy_slots:  # level 0 is the zero level: the code of a pruned weight
+            levels_b, lengths_b = penalised[0][row:row + len(b)], penalised[1][row:row + len(b)]
+            level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v, lv, ln, lam))(x32, levels_b, lengths_b)
+        else:
+            level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
+                         else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
         od = out_dtypes[b[0]]
         values = jnp.where(p, _storage_values(x, od), jnp.zeros((), od))
@@ -411,10 +431,11 @@ def encode_on_device(
         codes, centres, in_place = _encode_group(
             gxs, ggs, goffs, np.int32(bins), np.bool_(quant.prune_metric == "sensitivity"),
             np.float32(quant.protect_fraction), np.float32(quant.prune_fraction), np.float32(quant.step),
-            seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
+            np.float32(quant.rate), seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
             buckets=buckets(gxs, ggs, goffs, prunable, out_dtypes), prunable=prunable, spec=spec,
             sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol,
             restarts=cfg.kmeans_restarts, capacity=capacity, uniform=quant.step > 0, out_dtypes=out_dtypes,
+            entropy_slots=bins if quant.rate > 0 else 0,
         )
         for i, c, cen, v in zip(idx, codes, centres, in_place):
             out[i] = DeviceCodes(c, cen, v, bins, offsets[i])

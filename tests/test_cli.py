@@ -376,3 +376,5 @@ def test_a_choice_is_described_with_its_step_or_bins():
     q = {**q, "bins": 6, "step": 0.0, "prune_fraction": 0.5, "protect_fraction": 0.005}
     assert cli.describe_choice(q, metric=True) == "6 bins, prune 50% (magnitude), protect 0.50%"
     assert cli.describe_choice("lossless") == "lossless"
+    q = {**q, "bins": 14, "prune_fraction": 0.0, "protect_fraction": 0.0, "rate": 0.2}
+    assert cli.describe_choice(q) == "0 + 14 levels at rate 0.2, protect 0.00%"

@@ -197,7 +197,10 @@ def test_sharded_save_restored_replicated_continues_the_chain(tmp_path):
     assert r2["w"].sharding == split and rms(r2["w"], states[2]["w"]) < rms(restored["w"], states[1]["w"])
 
 
-def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path, monkeypatch):
+@pytest.mark.parametrize("quant", [ij.QuantConfig(bins=8, protect_fraction=0.02),
+                                   ij.QuantConfig(bins=14, embedding_bins=14, protect_fraction=0.02, rate=0.2)],
+                         ids=["k-means levels", "entropy-constrained levels"])
+def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path, monkeypatch, quant):
     """A restore of each link, whole, into shards and as NumPy, is bit for bit the reconstruction the saving process
     held (what its next residual was coded against): float32, bfloat16 and float16 leaves, with protected weights in
     the keyframe and the residuals, and a non-finite weight; the links' streams decompressed in threads (as for a
@@ -205,8 +208,7 @@ def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path,
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
     root = tmp_path / "run"
-    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(
-        search=False, quant=ij.QuantConfig(bins=8, protect_fraction=0.02), keyframe_every=6))
+    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False, quant=quant, keyframe_every=6))
     mngr = ocp.CheckpointManager(root, item_handlers=handler)
     held = []
     for step, s in enumerate(walk(7, 6)):
@@ -353,7 +355,44 @@ def test_uniform_residual_error_and_bits_fall_monotonically_with_the_step():
     assert errs[0] < 0.1 and sizes[0] > 2.5 * sizes[-1]
 
 
-@pytest.mark.parametrize("space", ["RESIDUAL_SPACE", "UNIFORM_RESIDUAL_SPACE"])
+def test_entropy_constrained_residuals_trade_error_for_bits_and_keep_weights_at_their_zero_level():
+    """Entropy-constrained levels (QuantConfig.rate) of a heavy-tailed residual: error rises and bytes fall with the
+    rate; a value at the zero level (code 0) keeps its previous weight exactly; at rate 0.2 both the error and the
+    bytes are below those of 4 k-means levels (the default space's choice for such a residual)."""
+    rng = np.random.default_rng(4)
+    base = jnp.asarray(rng.normal(size=(256, 96)).astype(np.float32) * 0.05)
+    w = base + jnp.asarray(rng.laplace(size=base.shape).astype(np.float32) * 1e-3)
+
+    def code(q):
+        (dev,) = ij.quantize.encode_on_device([w], [None], ["dense"], q, ij.CompressionConfig(), offsets=[base],
+                                              sigma=ij.quantize.RESIDUAL_SIGMA)
+        out = dev.dequantize(w.dtype)
+        err = float(ij.search.proxy_degradation([w], [out], [None], [base]))
+        return err, len(codec.compress_best(np.asarray(dev.codes), codec.CODE_CODECS, codec.CODE_LEVEL)[0]), dev, out
+
+    errs, sizes = [], []
+    for rate in (0.05, 0.1, 0.2, 0.4, 0.8):
+        err, size, dev, out = code(ij.QuantConfig(bins=14, embedding_bins=14, protect_fraction=0.0, rate=rate))
+        errs.append(err)
+        sizes.append(size)
+        zero = np.asarray(dev.codes) == 0
+        assert 0.3 < zero.mean() < 1.0 and np.asarray(dev.codes).max() <= 14
+        np.testing.assert_array_equal(np.asarray(out)[zero], np.asarray(base)[zero])
+    assert errs == sorted(errs) and sizes == sorted(sizes, reverse=True), (errs, sizes)
+    kmeans_err, kmeans_size, _, _ = code(ij.QuantConfig(bins=4, protect_fraction=0.0))
+    assert errs[2] < kmeans_err and sizes[2] < kmeans_size, (errs[2], kmeans_err, sizes[2], kmeans_size)
+
+
+def test_entropy_constrained_configurations_are_checked():
+    ij.config.ENTROPY_RESIDUAL_SPACE  # a valid space
+    for bad in ({"rate": -0.1}, {"rate": 0.2, "step": 1.0}, {"rate": 0.2, "bins": 5}, {"rate": float("inf")}):
+        with pytest.raises(ValueError, match="rate"):
+            ij.QuantConfig(**{"bins": 14, "embedding_bins": 14, **bad})
+    with pytest.raises(ValueError, match="rates"):
+        config.SearchSpace(rates=(0.0, 0.2))
+
+
+@pytest.mark.parametrize("space", ["RESIDUAL_SPACE", "UNIFORM_RESIDUAL_SPACE", "ENTROPY_RESIDUAL_SPACE"])
 def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configuration(tmp_path, space):
     """residual_budget=0 (only an exact residual would meet it): every residual save takes the least aggressive
     configuration of its space (mode "least aggressive"), stays a compressed link of the chain, and restores
@@ -370,7 +409,8 @@ def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configu
         fig = mngr.item_metadata(i)
         assert fig["search"]["coding"] == "residual" and fig["search"]["mode"] == "least aggressive"
         q = fig["quant"]
-        assert (q["bins"], q["prune_fraction"], q["step"]) == (top.bins, top.prune_fraction, top.step)
+        assert (q["bins"], q["prune_fraction"], q["step"], q["rate"]) == (top.bins, top.prune_fraction, top.step,
+                                                                           top.rate)
         assert fig["kind"] == "delta"
     restored = mngr.restore(2, args=ij.InshrinkRestore(states[2]))
     assert rms(restored["w"], states[2]["w"]) < 0.5 * rms(states[2]["w"], states[1]["w"])
