@@ -120,3 +120,27 @@ def test_lloyd_iterations_match_a_float64_reference(seed):
     got = np.asarray(kmeans.lloyd(jnp.asarray(points), jnp.asarray(weights), jnp.asarray(start), 7, 0.0))
     assert np.all(np.isinf(got[5:])) and np.all(np.isfinite(got[:5]))
     np.testing.assert_allclose(got[:5], c[:5], rtol=1e-5, atol=1e-6)
+
+
+def test_entropy_constrained_levels_fit_their_shares_and_widen_the_zero_level_with_the_rate():
+    rng = np.random.default_rng(0)
+    x = np.sort(rng.laplace(size=20000).astype(np.float32))
+    points, weights = jnp.asarray(x), jnp.ones(x.size, jnp.float32)
+    zero_share = []
+    for lam in (0.0, 0.5, 2.0):
+        levels, lengths = kmeans.entropy_constrained(points, weights, 8, lam, float(np.sqrt(np.mean(x * x))))
+        levels, lengths = np.asarray(levels), np.asarray(lengths)
+        assert levels[0] == 0.0 and np.all(np.diff(levels[1:]) >= 0)
+        idx = np.asarray(kmeans.penalised_assign(points, jnp.asarray(levels), jnp.asarray(lengths), lam))
+        share = np.bincount(idx, minlength=9) / x.size
+        used = np.isfinite(lengths)
+        # each used level's code length is that of its share of the points (one more assignment pass moves few)
+        np.testing.assert_allclose(2.0 ** -lengths[used], share[used], atol=0.01)
+        assert np.all(share[~used] == 0)
+        zero_share.append(share[0])
+    assert zero_share == sorted(zero_share) and zero_share[-1] > 0.5 > zero_share[0]
+    # lam 0: each point takes its nearest level
+    levels = jnp.asarray([0.0, -1.0, 1.0])
+    got = np.asarray(kmeans.penalised_assign(jnp.asarray([-0.6, -0.4, 0.4, 0.6, 3.0]), levels,
+                                             jnp.asarray([5.0, 1.0, 1.0]), 0.0))
+    assert got.tolist() == [1, 0, 0, 2, 2]
