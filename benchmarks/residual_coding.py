@@ -1,6 +1,6 @@
 """Bits and error of one closed-loop residual under the residual quantizers: k-means levels (the default
 `RESIDUAL_SPACE`) against the entropy-coded uniform quantizer (`UNIFORM_RESIDUAL_SPACE`, `QuantConfig.step`)
-with 31, 13, 7 and 5 cells.
+with 31, 13, 7 and 5 cells, and entropy-constrained levels (`ENTROPY_RESIDUAL_SPACE`, `QuantConfig.rate`).
 
 Usage: python benchmarks/residual_coding.py [--out FILE]   (needs the `bench` extra: pip install -e '.[bench]')
 
@@ -25,7 +25,7 @@ import bench_fault_tolerance as ft  # noqa: E402
 import digits  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
 
-from inshrink_jax import codec, quantize, search  # noqa: E402
+from inshrink_jax import codec, config, quantize, search  # noqa: E402
 from inshrink_jax.config import CompressionConfig, QuantConfig  # noqa: E402
 
 
@@ -52,10 +52,14 @@ def main(argv=None):
     quants = [("k-means", QuantConfig(bins=k, embedding_bins=k, protect_fraction=0.0)) for k in (3, 4, 8)]
     quants += [(f"uniform, {k} cells", QuantConfig(bins=k, embedding_bins=k, protect_fraction=0.0, step=s))
                for k in (31, 13, 7, 5) for s in (1.0, 1.5, 2.0, 2.5, 3.0)]
+    quants += [("entropy-constrained", QuantConfig(bins=14, embedding_bins=14, protect_fraction=0.0, rate=r))
+               for r in config.ENTROPY_RESIDUAL_SPACE.rates]
     lines = ["# Closed-loop residual coding: k-means levels against an entropy-coded uniform quantizer", "",
              "Command: `python benchmarks/residual_coding.py" + (f" --out {args.out}`" if args.out else "`"), "",
              f"The change of the character transformer's {len(xs)} quantized weights ({n:,} values) between steps 270 "
              "and 300, coded against the weights at step 270 (no pruning, no protection).", "",
+             "Entropy-constrained: a zero level and 14 others (`QuantConfig.rate`, the rates of "
+             "`config.ENTROPY_RESIDUAL_SPACE`); their step column gives the rate.", "",
              "| quantizer | levels | step (x RMS) | error | H0 bits a value | stored bits a value | stored / H0 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, q in quants:
@@ -66,7 +70,8 @@ def main(argv=None):
         h = sum(entropy_bits(np.asarray(d.codes).ravel()) for d in devs) / n
         z = sum(8 * len(codec.compress_best(np.asarray(d.codes), codec.CODE_CODECS, codec.CODE_LEVEL)[0])
                 for d in devs) / n
-        lines.append(f"| {name} | {q.bins} | {q.step or ''} | {err:.3f} | {h:.2f} | {z:.2f} | {z / h:.2f} |")
+        knob = f"rate {q.rate}" if q.rate else q.step or ""
+        lines.append(f"| {name} | {q.bins} | {knob} | {err:.3f} | {h:.2f} | {z:.2f} | {z / h:.2f} |")
     report.emit(lines, args.out)
 
 

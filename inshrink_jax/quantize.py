@@ -77,7 +77,7 @@ class EncodedTensor(NamedTuple):
 
     Attributes:
       codes: uint8 array of the tensor's shape (see the module docstring).
-      centres: float32 (K,), ascending.
+      centres: float32 (K,), ascending (entropy-constrained levels: the ones in use ascending, an unused one 0).
       protected: values of the protected weights in row-major position order (bfloat16, float32, or the leaf's
         own dtype when it is 16-bit).
       dtype: the leaf's dtype name, restored on decode.
@@ -227,7 +227,9 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
         rms = jnp.sqrt(jnp.sum(energy, axis=1) / jnp.maximum(jnp.sum(hf, axis=1), 1.0))
         penalised = jax.vmap(lambda h, r: kmeans.entropy_constrained(*kmeans.coarsen(reps, h), entropy_slots, lam,
                                                                      r))(hf, rms)
-        centres = jnp.zeros((len(xs), capacity), jnp.float32).at[:, :entropy_slots].set(penalised[0][:, 1:])
+        # A level no value takes is stored as 0 (its text in the manifest is short and repeats).
+        live = jnp.where(jnp.isfinite(penalised[1][:, 1:]), penalised[0][:, 1:], 0.0)
+        centres = jnp.zeros((len(xs), capacity), jnp.float32).at[:, :entropy_slots].set(live)
         widths = jnp.zeros(len(xs), jnp.float32)
     elif uniform:
         centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins, step, capacity))(counts)
