@@ -220,15 +220,19 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     # One batched k-means for all tensors of the group (the iteration overhead is paid once), or the uniform
     # quantizer's levels (QuantConfig.step > 0).
     if entropy_slots:
-        reps = jnp.asarray(spec.representatives())
+        # In units of the group's largest value, so no square overflows whatever the values' scale.
         hf = counts.astype(jnp.float32)
+        reps = jnp.asarray(spec.representatives())
+        unit = jnp.max(jnp.where(hf > 0, jnp.abs(reps), 0.0))
+        unit = jnp.where(unit > 0, unit, 1.0)
+        reps = reps / unit
         energy = jnp.where(hf > 0, hf * reps * reps, 0.0)
         lam = rate * jnp.sum(energy) / jnp.maximum(jnp.sum(hf), 1.0)
         rms = jnp.sqrt(jnp.sum(energy, axis=1) / jnp.maximum(jnp.sum(hf, axis=1), 1.0))
         penalised = jax.vmap(lambda h, r: kmeans.entropy_constrained(*kmeans.coarsen(reps, h), entropy_slots, lam,
                                                                      r))(hf, rms)
         # A level no value takes is stored as 0 (its text in the manifest is short and repeats).
-        live = jnp.where(jnp.isfinite(penalised[1][:, 1:]), penalised[0][:, 1:], 0.0)
+        live = jnp.where(jnp.isfinite(penalised[1][:, 1:]), penalised[0][:, 1:] * unit, 0.0)
         centres = jnp.zeros((len(xs), capacity), jnp.float32).at[:, :entropy_slots].set(live)
         widths = jnp.zeros(len(xs), jnp.float32)
     elif uniform:
@@ -246,7 +250,8 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
         # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
         if entropy_slots:  # level 0 is the zero level: the code of a pruned weight
             levels_b, lengths_b = penalised[0][row:row + len(b)], penalised[1][row:row + len(b)]
-            level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v, lv, ln, lam))(x32, levels_b, lengths_b)
+            level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v / unit, lv, ln, lam))(x32, levels_b,
+                                                                                                lengths_b)
         else:
             level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
                          else jax.vmap(kmeans.assign)(x32, c))

@@ -381,6 +381,10 @@ def test_entropy_constrained_residuals_trade_error_for_bits_and_keep_weights_at_
     assert errs == sorted(errs) and sizes == sorted(sizes, reverse=True), (errs, sizes)
     kmeans_err, kmeans_size, _, _ = code(ij.QuantConfig(bins=4, protect_fraction=0.0))
     assert errs[2] < kmeans_err and sizes[2] < kmeans_size, (errs[2], kmeans_err, sizes[2], kmeans_size)
+    # Scale-free: a residual 1e18 times as large (its squares overflow float32) is coded as well.
+    base, w = base * 1e18, w * 1e18
+    err, size, _, _ = code(ij.QuantConfig(bins=14, embedding_bins=14, protect_fraction=0.0, rate=0.2))
+    assert abs(err - errs[2]) < 0.1 * errs[2] and abs(size - sizes[2]) < 0.1 * sizes[2], (err, errs[2])
 
 
 def test_entropy_constrained_configurations_are_checked():
