@@ -6,7 +6,9 @@ Every weight of a compressed tensor gets a uint8 code:
     K + 1      protected: the next value of the tensor's protected values, stored in position order
 Order of the partition: protect (top `protect_fraction` by magnitude OR by sensitivity, plus every NaN/Inf),
 then prune (the `prune_fraction` least important of the remaining weights of >= 2-D tensors, one threshold per
-layer type), then quantize the rest to the nearest of K centres from weighted k-means on their histogram.
+layer type), then quantize the rest to the nearest of K centres from weighted k-means on their histogram (or,
+for closed-loop residuals where a configuration asks for them, to a uniform quantizer's cells, `QuantConfig.step`,
+or to entropy-constrained levels, `QuantConfig.rate`, whose zero level takes the place of pruning: code 0).
 
 All per-weight work is one jitted function per layer type (so XLA runs the tensors' histogram passes side by
 side). Besides the codes it emits each tensor's protected values *in place* (the storage-dtype value where the
