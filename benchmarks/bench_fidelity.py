@@ -125,8 +125,8 @@ WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM, "lstm": L
 
 
 def method(name: str):
-    """A method of the table: inshrink_jax at a setting (`inshrink`, then optionally `-uniform` or `-entropy`, then one of
-    `-open`, `-rb<B>` or `[key=value;...]`), or a baseline."""
+    """A method of the table: inshrink_jax at a setting (`inshrink`, then optionally `-uniform` or `-entropy`,
+    then one of `-open`, `-rb<B>` or `[key=value;...]`), or a baseline."""
     if not name.startswith("inshrink"):
         return ft.Baseline(name)
     rest, kw = name[len("inshrink"):], {}

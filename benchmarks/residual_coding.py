@@ -54,7 +54,8 @@ def main(argv=None):
                for k in (31, 13, 7, 5) for s in (1.0, 1.5, 2.0, 2.5, 3.0)]
     quants += [("entropy-constrained", QuantConfig(bins=14, embedding_bins=14, protect_fraction=0.0, rate=r))
                for r in config.ENTROPY_RESIDUAL_SPACE.rates]
-    lines = ["# Closed-loop residual coding: k-means levels, an entropy-coded uniform quantizer, entropy-constrained levels", "",
+    lines = ["# Closed-loop residual coding: k-means levels, an entropy-coded uniform quantizer, entropy-constrained "
+             "levels", "",
              "Command: `python benchmarks/residual_coding.py" + (f" --out {args.out}`" if args.out else "`"), "",
              f"The change of the character transformer's {len(xs)} quantized weights ({n:,} values) between steps 270 "
              "and 300, coded against the weights at step 270 (no pruning, no protection).", "",

@@ -41,7 +41,7 @@ class QuantConfig:
         fitted so that each value takes the level of least squared error plus `rate` times the mean square of its
         layer type's values times the level's code length in bits. Larger: fewer bits, more error. At the same
         squared error its codes have about 20% less order-0 entropy than k-means levels of a closed-loop
-        residual (docs/limitations.md); the prune fraction is then unused. Not with `step`.
+        residual (benchmarks/results/residual_coding.md); the prune fraction is then unused. Not with `step`.
     """
 
     bins: int = 16
@@ -121,11 +121,10 @@ class SearchSpace:
             raise ValueError(f"SearchSpace.rates mixes k-means levels (0.0) with entropy-constrained ones: "
                              f"{self.rates!r}")
         for x in self.rates:
-            if x > 0:
-                for b in (*self.bins, *self.embedding_bins):
-                    QuantConfig(bins=b, embedding_bins=b, rate=x, step=0.0)
-                if self.steps != (0.0,):
-                    raise ValueError("SearchSpace: rates (entropy-constrained levels) with uniform steps")
+            QuantConfig(rate=x)
+        if max(self.rates) > 0:  # every bin count must suit entropy-constrained levels (even, no uniform step)
+            for b in (*self.bins, *self.embedding_bins):
+                QuantConfig(bins=b, embedding_bins=b, rate=max(self.rates), step=max(self.steps))
 
 
 # The space of a closed-loop residual save: the residual w_t - w_hat_{t-1} is one interval's change (plus the error
@@ -145,8 +144,9 @@ UNIFORM_RESIDUAL_SPACE = SearchSpace(bins=(5,), embedding_bins=(5,), prune_fract
                                      prune_metrics=("magnitude",), steps=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0))
 # The same saves coded by entropy-constrained levels (QuantConfig.rate): a zero level and 14 others per tensor,
 # each value taking the level of least squared error plus `rate` times its layer type's mean square times the level's
-# code length; rates 1.4x apart (each step about 1.3x the error). At the same squared error of the character
-# transformer's residual, about 20% fewer bits than the k-means levels of RESIDUAL_SPACE (docs/limitations.md).
+# code length; rates 1.4x apart (each step 1.4-1.5x the error). At the same squared error of the character
+# transformer's residual, about 20% fewer bits than the k-means levels of RESIDUAL_SPACE
+# (benchmarks/results/residual_coding.md).
 ENTROPY_RESIDUAL_SPACE = SearchSpace(bins=(14,), embedding_bins=(14,), prune_fractions=(0.0,),
                                      protect_fractions=(0.0,), prune_metrics=("magnitude",),
                                      rates=(0.05, 0.07, 0.1, 0.14, 0.2, 0.28, 0.4, 0.56, 0.8))

@@ -602,7 +602,7 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     fix_values = np.zeros(size, dtype)
     fix_values[:at.size] = a
     # One device_put call per kernel call, for all of its host arrays: a small tensor's restore is otherwise
-    # dominated by the fixed cost of a put per array (a deep chain of a 440k-parameter model made ~1,800 of them).
+    # dominated by the fixed cost of a put per array (two per link of a deep chain).
     put = functools.partial(jax.device_put, device=device)
     if not residuals and not isinstance(first, EncodedTensor):
         return put(np.asarray(first))  # a lossless first link alone: its exact values

@@ -121,11 +121,11 @@ def step_bits(step: float) -> float:
 
 
 def rate_bits(rate: float) -> float:
-    """Estimated bits per element of entropy-constrained levels of code-length weight `rate`: 0.04 - 0.56 *
+    """Estimated bits per element of entropy-constrained levels of code-length weight `rate`: -0.04 - 0.65 *
     log2(rate), at least 0.05 (the character transformer's closed-loop residual between steps 270 and 300 took
-    1.9, 1.58, 1.35, 1.16, 1.01 and 0.78 bits of order-0 entropy at rates 0.1, 0.15, 0.2, 0.25, 0.3 and 0.4).
-    It orders candidates only."""
-    return max(0.05, 0.04 - 0.56 * math.log2(rate))
+    2.73, 2.12, 1.45, 0.82 and 0.33 bits of order-0 entropy at rates 0.05, 0.1, 0.2, 0.4 and 0.8,
+    benchmarks/results/residual_coding.md). It orders candidates only."""
+    return max(0.05, -0.04 - 0.65 * math.log2(rate))
 
 
 def estimated_ratio(q: QuantConfig, sizes: dict[str, int], bits: dict[str, int]) -> float:
@@ -528,7 +528,8 @@ def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: fl
         return outcome
     [(d, payload)] = checker([outcome.quant])
     best = Outcome(outcome.quant, d, outcome.mode, outcome.evaluations + 1, outcome.rounds + 1, payload)
-    ladder = ([] if outcome.quant == top else [top]) + [_finer(top, f) for f in (2, 4) if top.rate or top.bins * f <= capacity]
+    ladder = ([] if outcome.quant == top else [top]) + [_finer(top, f) for f in (2, 4)
+                                                        if top.rate or top.bins * f <= capacity]
     for q in ladder:
         if best.degradation <= epsilon:
             break

@@ -40,7 +40,7 @@ def test_a_background_save_stores_what_a_save_on_the_callers_thread_stores(tmp_p
         states.append(state)
     figures, restored = {}, {}
     for background in (False, True):
-        # A small keyframe space: the search and its eval_fn calls run alike in both modes, at a third of the cost.
+        # A small keyframe space: the search and its eval_fn calls still run, alike in both modes, in less time.
         space = ij.SearchSpace(bins=(4, 8, 16), prune_fractions=(0.0, 0.2), protect_fractions=(0.005,))
         mngr = manager(tmp_path / str(background), background, ij.CompressionConfig(epsilon=0.1, search_space=space))
         for step, s in enumerate(states):

@@ -388,12 +388,16 @@ def test_entropy_constrained_residuals_trade_error_for_bits_and_keep_weights_at_
 
 
 def test_entropy_constrained_configurations_are_checked():
-    ij.config.ENTROPY_RESIDUAL_SPACE  # a valid space
+    cube = ij.search.Cube.build(config.ENTROPY_RESIDUAL_SPACE, False, ij.QuantConfig())
+    assert cube.names[-1] == "rate" and cube.config(cube.top, "magnitude").rate == 0.05  # least aggressive: 0.05
     for bad in ({"rate": -0.1}, {"rate": 0.2, "step": 1.0}, {"rate": 0.2, "bins": 5}, {"rate": float("inf")}):
         with pytest.raises(ValueError, match="rate"):
             ij.QuantConfig(**{"bins": 14, "embedding_bins": 14, **bad})
     with pytest.raises(ValueError, match="rates"):
         config.SearchSpace(rates=(0.0, 0.2))
+    for space in ({"rates": (-0.1, 0.2)}, {"rates": (0.2,), "bins": (3, 4)}, {"rates": (0.2,), "steps": (1.0,)}):
+        with pytest.raises(ValueError, match="rate"):
+            config.SearchSpace(**space)
 
 
 @pytest.mark.parametrize("space", ["RESIDUAL_SPACE", "UNIFORM_RESIDUAL_SPACE", "ENTROPY_RESIDUAL_SPACE"])
