@@ -10,8 +10,8 @@ layer type), then quantize the rest to the nearest of K centres from weighted k-
 for closed-loop residuals where a configuration asks for them, to a uniform quantizer's cells, `QuantConfig.step`,
 or to entropy-constrained levels, `QuantConfig.rate`, whose zero level takes the place of pruning: code 0).
 
-All per-weight work is one jitted function per layer type (so XLA runs the tensors' histogram passes side by
-side). Besides the codes it emits each tensor's protected values *in place* (the storage-dtype value where the
+All per-weight work is one jitted function for the whole state (so XLA runs the tensors' histogram passes side
+by side, and compiles the k-means once). Besides the codes it emits each tensor's protected values *in place* (the storage-dtype value where the
 code is protected, 0 elsewhere; one fused elementwise output), so nothing has to read the input after the
 encoder is dispatched: a training loop may donate its state the moment `save()` returns, and the device work
 and the device-to-host copies finish in the background. The host compacts the protected values with a scan of
@@ -160,29 +160,86 @@ def times_scale(r: jax.Array, exact: jax.Array, scale: jax.Array, dtype) -> jax.
     return jnp.where(exact, r, r * jnp.sqrt(scale.astype(jnp.float32))).astype(dtype)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("buckets", "prunable", "spec", "sigma", "iters", "tol", "restarts", "capacity",
-                              "out_dtypes", "uniform", "entropy_slots")
-)
-def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, key, *,
-                  buckets, prunable, spec, sigma, iters, tol, restarts, capacity, out_dtypes, uniform, entropy_slots):
-    """Codes, centres (`capacity` slots, the first `bins` used) and in-place protected values of the tensors of
-    one layer type (they share the prune threshold). The configuration is traced, not static, so one compiled
+class Kind(NamedTuple):
+    """What the jitted encoder (`_encode`) is compiled for, of the tensors of one layer type: `buckets` (see
+    `buckets`), whether each tensor may be pruned, each one's protected-value storage dtype, the number of level
+    slots, and `entropy_slots` (0, or the non-zero levels of entropy-constrained coding, QuantConfig.rate)."""
+
+    buckets: tuple[tuple[int, ...], ...]
+    prunable: tuple[bool, ...]
+    out_dtypes: tuple
+    capacity: int
+    entropy_slots: int
+
+
+@functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform"))
+def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
+            kinds, spec, sigma, iters, tol, restarts, uniform):
+    """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor,
+    by layer type: `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`), the
+    tensors of one type share the prune threshold. The configuration is traced, not static, so one compiled
     kernel serves every candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search
     space never mixes the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its
     residual x - offset (its prune and protect scores are then those of the change against the offset).
 
-    `buckets` (static) partitions the tensors into groups of the same shape, dtypes, sharding and kind (see
-    `buckets`): each group is stacked on a leading axis and its per-tensor passes (protect thresholds,
-    histograms, codes) run once, vmapped (`per_tensor_map`), so the compiled program grows with the number of distinct tensor
-    shapes, not with the number of tensors (a 24-layer transformer has 390 parameter tensors of a dozen
-    shapes). Integer counts and thresholds make the result identical to encoding the tensors one by one.
+    One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (the
+    iteration overhead is paid once, and XLA compiles it once instead of once per layer type: about a second
+    of CPU compile time each). Within a type, `Kind.buckets` groups the tensors of the same shape, dtypes,
+    sharding and kind: each group is stacked on a leading axis and its per-tensor passes (protect thresholds,
+    histograms, codes) run once, vmapped (`per_tensor_map`), so the compiled program grows with the number of
+    distinct tensor shapes, not with the number of tensors (a 24-layer transformer has 390 parameter tensors
+    of a dozen shapes). Integer counts and thresholds make the result identical to encoding the tensors one by
+    one.
 
-    `entropy_slots` (static; 0: not used): entropy-constrained levels (QuantConfig.rate): a zero level (code 0,
+    `Kind.entropy_slots` (0: not used): entropy-constrained levels (QuantConfig.rate): a zero level (code 0,
     as pruned) and `entropy_slots` others, fitted to each tensor's histogram with the code-length weight `rate`
-    times the mean square of the group's quantized values (one slope for every tensor of the group: the bits go
+    times the mean square of the type's quantized values (one slope for every tensor of the type: the bits go
     where they remove the most squared error); each value takes the level of least squared error plus that
     weight times the level's code length (`kmeans.entropy_constrained`)."""
+    parts = [_partition(xs[t], gs[t], offsets[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec)
+             for t, kind in enumerate(kinds)]
+    keys = [jax.random.split(keys[t], len(xs[t]))[np.asarray(part.order)] for t, part in enumerate(parts)]
+    joint = [t for t, kind in enumerate(kinds) if not uniform and not kind.entropy_slots]
+    if joint:
+        # One batched k-means for the tensors of every type with k-means levels.
+        capacity = kinds[joint[0]].capacity
+        rows = jnp.concatenate([jnp.full((len(xs[t]),), bins[t], jnp.int32) for t in joint])
+        centres = jax.vmap(lambda h, kk, b: kmeans.histogram_kmeans(h, spec, b, sigma, kk, iters=iters, tol=tol,
+                                                                    restarts=restarts, capacity=capacity))(
+            jnp.concatenate([parts[t].counts for t in joint]), jnp.concatenate([keys[t] for t in joint]), rows)
+        offsets_of = np.cumsum([0] + [len(xs[t]) for t in joint])
+        fitted = {t: centres[offsets_of[j]:offsets_of[j + 1]] for j, t in enumerate(joint)}
+    out = []
+    for t, (kind, part) in enumerate(zip(kinds, parts)):
+        n = len(xs[t])
+        if kind.entropy_slots:
+            out.append(_entropy_codes(part, kind, rate, spec, n))
+            continue
+        if uniform:
+            centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins[t], step, kind.capacity))(part.counts)
+        else:
+            centres, widths = fitted[t], jnp.zeros(n, jnp.float32)
+        out.append(_level_codes(part, kind, centres, widths, bins[t], uniform, n))
+    return out
+
+
+class _Partition(NamedTuple):
+    """One layer type's tensors after the partition (inside `_encode`): per bucket the values encoded (x, or the
+    residual x - offset) and their scores, protected and pruned masks; the histograms of the quantized values
+    (one row per tensor, in `order`)."""
+
+    values: list
+    scored: list
+    protected: list
+    pruned: list
+    counts: jax.Array
+    order: list[int]
+
+
+def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fraction, kind: Kind, spec) -> _Partition:
+    """Protect (the top `protect_fraction` of each tensor by magnitude, or by sensitivity as well, and every
+    non-finite value), prune (the `prune_fraction` least important of the type's other prunable values; none
+    with entropy-constrained levels, which prune by their zero level), and the histograms of the rest."""
     def per_tensor(a):  # every axis but the stacking one
         return tuple(range(1, a.ndim))
 
@@ -190,7 +247,7 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
         return threshold.kth_largest([score], [finite], k).select(score)
 
     groups = []  # per bucket: the values encoded (x, or the residual x - offset), the gradients or None
-    for b in buckets:
+    for b in kind.buckets:
         x = stacked([xs[i] for i in b])
         off = None if offsets[b[0]] is None else stacked([offsets[i] for i in b])
         groups.append((x if off is None else residual(x, off), None if gs[b[0]] is None else stacked([gs[i] for i in b])))
@@ -205,9 +262,9 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
 
     metric = [(jnp.where(use_sensitivity, sens, mag) if g is not None else mag)
               for (_, _, mag, sens), (_, g) in zip(scored, groups)]
-    can_prune = [prunable[b[0]] for b in buckets]
+    can_prune = [kind.prunable[b[0]] for b in kind.buckets]
     candidates = [~p & can for p, can in zip(protected, can_prune)]
-    if any(can_prune) and not entropy_slots:  # entropy-constrained levels prune by their zero level
+    if any(can_prune) and not kind.entropy_slots:  # entropy-constrained levels prune by their zero level
         n = sum(jnp.sum(c.astype(jnp.int32)) for c in candidates)
         keep, _ = threshold.kth_smallest_complement(metric, candidates, _round_count(prune_fraction, n))
         pruned = [c & ~keep.select(m) for c, m in zip(candidates, metric)]
@@ -217,57 +274,60 @@ def _encode_group(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prun
     quantized = [~p & ~q for p, q in zip(protected, pruned)]
     counts = jnp.concatenate([per_tensor_map(lambda x, m: sketch.histogram(x, spec, m), x32, m)
                               for (x32, _, _, _), m in zip(scored, quantized)])
-    order = [i for b in buckets for i in b]  # the tensor of each row of `counts`
-    keys = jax.random.split(key, len(xs))[np.asarray(order)]
-    # One batched k-means for all tensors of the group (the iteration overhead is paid once), or the uniform
-    # quantizer's levels (QuantConfig.step > 0).
-    if entropy_slots:
-        # In units of the group's largest value, so no square overflows whatever the values' scale.
-        hf = counts.astype(jnp.float32)
-        reps = jnp.asarray(spec.representatives())
-        unit = jnp.max(jnp.where(hf > 0, jnp.abs(reps), 0.0))
-        unit = jnp.where(unit > 0, unit, 1.0)
-        reps = reps / unit
-        energy = jnp.where(hf > 0, hf * reps * reps, 0.0)
-        lam = rate * jnp.sum(energy) / jnp.maximum(jnp.sum(hf), 1.0)
-        rms = jnp.sqrt(jnp.sum(energy, axis=1) / jnp.maximum(jnp.sum(hf, axis=1), 1.0))
-        penalised = jax.vmap(lambda h, r: kmeans.entropy_constrained(*kmeans.coarsen(reps, h), entropy_slots, lam,
-                                                                     r))(hf, rms)
-        # A level no value takes is stored as 0 (its text in the manifest is short and repeats).
-        live = jnp.where(jnp.isfinite(penalised[1][:, 1:]), penalised[0][:, 1:] * unit, 0.0)
-        centres = jnp.zeros((len(xs), capacity), jnp.float32).at[:, :entropy_slots].set(live)
-        widths = jnp.zeros(len(xs), jnp.float32)
-    elif uniform:
-        centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins, step, capacity))(counts)
-    else:
-        centres = jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins, sigma, kk, iters=iters, tol=tol,
-                                                                 restarts=restarts, capacity=capacity))(counts, keys)
-        widths = jnp.zeros(len(xs), jnp.float32)
-    used = jnp.arange(capacity) < bins
-    codes, levels, in_place = [None] * len(xs), [None] * len(xs), [None] * len(xs)
+    return _Partition([x for x, _ in groups], scored, protected, pruned, counts, [i for b in kind.buckets for i in b])
+
+
+def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool, n: int):
+    """Codes, levels and in-place protected values of one type's tensors quantized to k-means levels or to a
+    uniform quantizer's cells (`uniform`; `widths` per tensor): per tensor, in the order of the type's list."""
+    used = jnp.arange(kind.capacity) < bins
+    codes, levels, in_place = [None] * n, [None] * n, [None] * n
     row = 0
-    for b, (x, _), (x32, _, _, _), p, q in zip(buckets, groups, scored, protected, pruned):
+    for b, x, (x32, _, _, _), p, q in zip(kind.buckets, part.values, part.scored, part.protected, part.pruned):
         c, width = centres[row:row + len(b)], widths[row:row + len(b)]
         # A uniform quantizer's value takes its cell (the level is the cell's mean, not necessarily the nearest
         # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
-        if entropy_slots:  # level 0 is the zero level: the code of a pruned weight
-            levels_b, lengths_b = penalised[0][row:row + len(b)], penalised[1][row:row + len(b)]
-            level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v / unit, lv, ln, lam))(x32, levels_b,
-                                                                                                lengths_b)
-        else:
-            level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
-                         else jax.vmap(kmeans.assign)(x32, c))
+        level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
+                     else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
-        od = out_dtypes[b[0]]
-        values = jnp.where(p, _storage_values(x, od), jnp.zeros((), od))
+        values = jnp.where(p, _storage_values(x, kind.out_dtypes[b[0]]), jnp.zeros((), kind.out_dtypes[b[0]]))
         for j, i in enumerate(b):
             codes[i], in_place[i], levels[i] = code[j], values[j], jnp.where(used, c[j], 0.0)
         row += len(b)
     return codes, levels, in_place
 
 
+def _entropy_codes(part: _Partition, kind: Kind, rate, spec, n: int):
+    """`_level_codes` for entropy-constrained levels (level 0 is the zero level: the code of a pruned weight)."""
+    slots = kind.entropy_slots
+    # In units of the type's largest value, so no square overflows whatever the values' scale.
+    hf = part.counts.astype(jnp.float32)
+    reps = jnp.asarray(spec.representatives())
+    unit = jnp.max(jnp.where(hf > 0, jnp.abs(reps), 0.0))
+    unit = jnp.where(unit > 0, unit, 1.0)
+    reps = reps / unit
+    energy = jnp.where(hf > 0, hf * reps * reps, 0.0)
+    lam = rate * jnp.sum(energy) / jnp.maximum(jnp.sum(hf), 1.0)
+    rms = jnp.sqrt(jnp.sum(energy, axis=1) / jnp.maximum(jnp.sum(hf, axis=1), 1.0))
+    penalised = jax.vmap(lambda h, r: kmeans.entropy_constrained(*kmeans.coarsen(reps, h), slots, lam, r))(hf, rms)
+    # A level no value takes is stored as 0 (its text in the manifest is short and repeats).
+    live = jnp.where(jnp.isfinite(penalised[1][:, 1:]), penalised[0][:, 1:] * unit, 0.0)
+    centres = jnp.zeros((n, kind.capacity), jnp.float32).at[:, :slots].set(live)
+    codes, levels, in_place = [None] * n, [None] * n, [None] * n
+    row = 0
+    for b, x, (x32, _, _, _), p in zip(kind.buckets, part.values, part.scored, part.protected):
+        levels_b, lengths_b = penalised[0][row:row + len(b)], penalised[1][row:row + len(b)]
+        level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v / unit, lv, ln, lam))(x32, levels_b, lengths_b)
+        code = jnp.where(p, slots + 1, level).astype(jnp.uint8)
+        values = jnp.where(p, _storage_values(x, kind.out_dtypes[b[0]]), jnp.zeros((), kind.out_dtypes[b[0]]))
+        for j, i in enumerate(b):
+            codes[i], in_place[i], levels[i] = code[j], values[j], centres[row + j]
+        row += len(b)
+    return codes, levels, in_place
+
+
 def buckets(*columns: Sequence) -> tuple[tuple[int, ...], ...]:
-    """Indices of the tensors a jitted encoder stacks together (`_encode_group`, moments' encoder): those alike
+    """Indices of the tensors a jitted encoder stacks together (`_encode`, moments' encoder): those alike
     in every column, where each column gives one entry per tensor: an array (alike: the same shape, dtype and
     sharding), None, or a hashable value (alike: equal). In order of first appearance."""
     def sig(a):
@@ -425,30 +485,46 @@ def encode_on_device(
     if not (len(xs) == len(gs) == len(layer_types) == len(offsets)):
         raise ValueError("encode needs one gradient (or None), one layer type and one offset (or None) per tensor")
     spec = sketch.SketchSpec(cfg.alpha)
-    out: list[DeviceCodes | None] = [None] * len(xs)
-    for t, kind in enumerate(sorted(set(layer_types))):
-        idx = [i for i, lt in enumerate(layer_types) if lt == kind]
-        bins = quant.bins_for(kind)
+    types = sorted(set(layer_types))
+    idx = [[i for i, lt in enumerate(layer_types) if lt == kind] for kind in types]
+    kinds, bins = [], []
+    for kind, ix in zip(types, idx):
+        b = quant.bins_for(kind)
         # A uniform quantizer's levels are cell means (no k-means), so its slots can follow its bins.
-        capacity = max(cfg.bins_capacity, bins) if quant.step > 0 else cfg.bins_capacity
-        if bins > capacity:
-            raise ValueError(f"{bins} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
-        gxs, ggs, goffs = [xs[i] for i in idx], [gs[i] for i in idx], [offsets[i] for i in idx]
-        prunable = tuple(xs[i].ndim >= 2 for i in idx)
+        capacity = max(cfg.bins_capacity, b) if quant.step > 0 else cfg.bins_capacity
+        if b > capacity:
+            raise ValueError(f"{b} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
+        gxs, ggs, goffs = [xs[i] for i in ix], [gs[i] for i in ix], [offsets[i] for i in ix]
+        prunable = tuple(xs[i].ndim >= 2 for i in ix)
         out_dtypes = tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
-                           for i in idx)
-        codes, centres, in_place = _encode_group(
-            gxs, ggs, goffs, np.int32(bins), np.bool_(quant.prune_metric == "sensitivity"),
-            np.float32(quant.protect_fraction), np.float32(quant.prune_fraction), np.float32(quant.step),
-            np.float32(quant.rate), seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t),
-            buckets=buckets(gxs, ggs, goffs, prunable, out_dtypes), prunable=prunable, spec=spec,
-            sigma=cfg.sigma if sigma is None else sigma, iters=cfg.kmeans_iters, tol=cfg.kmeans_tol,
-            restarts=cfg.kmeans_restarts, capacity=capacity, uniform=quant.step > 0, out_dtypes=out_dtypes,
-            entropy_slots=bins if quant.rate > 0 else 0,
-        )
-        for i, c, cen, v in zip(idx, codes, centres, in_place):
-            out[i] = DeviceCodes(c, cen, v, bins, offsets[i])
+                           for i in ix)
+        kinds.append(Kind(buckets(gxs, ggs, goffs, prunable, out_dtypes), prunable, out_dtypes, capacity,
+                          b if quant.rate > 0 else 0))
+        bins.append(b)
+    # One call for the layer types whose tensors are on the same devices (a jitted call takes arrays of one
+    # device set: a state may keep, say, its convolutions on one device and shard its dense layers).
+    units: dict = {}
+    for t, ix in enumerate(idx):
+        units.setdefault(frozenset(d.id for i in ix for d in _devices(xs[i])), []).append(t)
+    out: list[DeviceCodes | None] = [None] * len(xs)
+    for ts in units.values():
+        results = _encode(
+            [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
+            [[offsets[i] for i in idx[t]] for t in ts], [np.int32(bins[t]) for t in ts],
+            np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
+            np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
+            [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
+            kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
+            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0)
+        for t, (codes, centres, in_place) in zip(ts, results):
+            for i, c, cen, v in zip(idx[t], codes, centres, in_place):
+                out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i])
     return out  # type: ignore[return-value]
+
+
+def _devices(x) -> set:
+    """The devices an array is on (none for a host array, which goes wherever the others are)."""
+    return x.sharding.device_set if isinstance(x, jax.Array) else set()
 
 
 def to_host(codes, centres, protected_in_place, bins: int, dtype) -> EncodedTensor:
