@@ -163,13 +163,16 @@ def times_scale(r: jax.Array, exact: jax.Array, scale: jax.Array, dtype) -> jax.
 class Kind(NamedTuple):
     """What the jitted encoder (`_encode`) is compiled for, of the tensors of one layer type: `buckets` (see
     `buckets`), whether each tensor may be pruned, each one's protected-value storage dtype, the number of level
-    slots, and `entropy_slots` (0, or the non-zero levels of entropy-constrained coding, QuantConfig.rate)."""
+    slots, `entropy_slots` (0, or the non-zero levels of entropy-constrained coding, QuantConfig.rate), and
+    `own_bins`: whether the type's bin count is a field of its own (embedding tables: QuantConfig.embedding_bins),
+    not the shared one (QuantConfig.bins)."""
 
     buckets: tuple[tuple[int, ...], ...]
     prunable: tuple[bool, ...]
     out_dtypes: tuple
     capacity: int
     entropy_slots: int
+    own_bins: bool
 
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform"))
@@ -182,9 +185,9 @@ def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_frac
     space never mixes the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its
     residual x - offset (its prune and protect scores are then those of the change against the offset).
 
-    One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (the
-    iteration overhead is paid once, and XLA compiles it once instead of once per layer type: about a second
-    of CPU compile time each). Within a type, `Kind.buckets` groups the tensors of the same shape, dtypes,
+    One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (two
+    with embedding tables, which have a bin count of their own), so its iteration overhead is paid once and XLA
+    compiles it once, not once per layer type (about a second of CPU compile time each). Within a type, `Kind.buckets` groups the tensors of the same shape, dtypes,
     sharding and kind: each group is stacked on a leading axis and its per-tensor passes (protect thresholds,
     histograms, codes) run once, vmapped (`per_tensor_map`), so the compiled program grows with the number of
     distinct tensor shapes, not with the number of tensors (a 24-layer transformer has 390 parameter tensors
@@ -199,16 +202,19 @@ def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_frac
     parts = [_partition(xs[t], gs[t], offsets[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec)
              for t, kind in enumerate(kinds)]
     keys = [jax.random.split(keys[t], len(xs[t]))[np.asarray(part.order)] for t, part in enumerate(parts)]
-    joint = [t for t, kind in enumerate(kinds) if not uniform and not kind.entropy_slots]
-    if joint:
-        # One batched k-means for the tensors of every type with k-means levels.
+    fitted = {}
+    for own in (False, True):
+        # One batched k-means for the tensors of every type with k-means levels and the same bin count (one
+        # number of centres: k-means++ draws k of them, so a batch with several would run to the largest).
+        joint = [t for t, kind in enumerate(kinds) if not uniform and not kind.entropy_slots and kind.own_bins == own]
+        if not joint:
+            continue
         capacity = kinds[joint[0]].capacity
-        rows = jnp.concatenate([jnp.full((len(xs[t]),), bins[t], jnp.int32) for t in joint])
-        centres = jax.vmap(lambda h, kk, b: kmeans.histogram_kmeans(h, spec, b, sigma, kk, iters=iters, tol=tol,
-                                                                    restarts=restarts, capacity=capacity))(
-            jnp.concatenate([parts[t].counts for t in joint]), jnp.concatenate([keys[t] for t in joint]), rows)
-        offsets_of = np.cumsum([0] + [len(xs[t]) for t in joint])
-        fitted = {t: centres[offsets_of[j]:offsets_of[j + 1]] for j, t in enumerate(joint)}
+        centres = jax.vmap(lambda h, kk: kmeans.histogram_kmeans(h, spec, bins[joint[0]], sigma, kk, iters=iters,
+                                                                 tol=tol, restarts=restarts, capacity=capacity))(
+            jnp.concatenate([parts[t].counts for t in joint]), jnp.concatenate([keys[t] for t in joint]))
+        ends = np.cumsum([0] + [len(xs[t]) for t in joint])
+        fitted.update({t: centres[ends[j]:ends[j + 1]] for j, t in enumerate(joint)})
     out = []
     for t, (kind, part) in enumerate(zip(kinds, parts)):
         n = len(xs[t])
@@ -499,7 +505,7 @@ def encode_on_device(
         out_dtypes = tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
                            for i in ix)
         kinds.append(Kind(buckets(gxs, ggs, goffs, prunable, out_dtypes), prunable, out_dtypes, capacity,
-                          b if quant.rate > 0 else 0))
+                          b if quant.rate > 0 else 0, kind == "embedding"))
         bins.append(b)
     # One call for the layer types whose tensors are on the same devices (a jitted call takes arrays of one
     # device set: a state may keep, say, its convolutions on one device and shard its dense layers).
