@@ -79,9 +79,10 @@ def table_size(bins: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("buckets", "bins", "spec", "iters", "tol", "restarts", "dtypes"))
 def _encode_moments(ms, key, *, buckets, bins, spec, iters, tol, restarts, dtypes):
-    """Codes, value tables and in-place exact values of second moments; moments alike (`quantize.buckets`) are
-    stacked and encoded by one vmapped pass, so the compiled program grows with the number of distinct shapes,
-    not of tensors."""
+    """Codes, value tables and in-place exact values of second moments, per bucket of moments alike
+    (`quantize.buckets`), each stacked: a bucket is encoded by one vmapped pass and returned as stacks
+    (`quantize.unstack` gives the tensors), so the compiled program grows with the number of distinct shapes, not
+    of tensors."""
     reps = spec.representatives()
     positive = reps > 0
     # (buckets <= 0 take the smallest positive one's value, so the points are non-decreasing as k-means needs;
@@ -106,7 +107,7 @@ def _encode_moments(ms, key, *, buckets, bins, spec, iters, tol, restarts, dtype
     keys = jax.random.split(key, len(ms))[np.asarray(order)]
     centres = jax.vmap(lambda w, k: kmeans.weighted_kmeans(log_reps, w, bins, k, iters=iters, tol=tol,
                                                            restarts=restarts))(weights, keys)
-    codes, tables, in_place = [None] * len(ms), [None] * len(ms), [None] * len(ms)
+    out = []
     row = 0
     for b, (m, finite, keep, negative, mag) in zip(buckets, prepared):
         # Levels inside the leaf dtype's normal range (before assignment, so each value still takes the nearest
@@ -119,11 +120,9 @@ def _encode_moments(ms, key, *, buckets, bins, spec, iters, tol, restarts, dtype
         code = jnp.where(finite, code, protected_code(table_size(bins))).astype(jnp.uint8)
         levels = jnp.clip(jnp.exp(c), float(info.tiny), float(info.max))
         table = jnp.concatenate([-levels[:, ::-1], levels], axis=1)
-        values = jnp.where(finite, jnp.zeros((), m.dtype), m)
-        for j, i in enumerate(b):
-            codes[i], tables[i], in_place[i] = code[j], table[j], values[j]
+        out.append((code, table, jnp.where(finite, jnp.zeros((), m.dtype), m)))
         row += len(b)
-    return codes, tables, in_place
+    return out
 
 
 def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
@@ -141,11 +140,16 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
     if not ms:
         return []
     key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
-    codes, tables, in_place = _encode_moments(
-        list(ms), key, buckets=quantize.buckets(ms), bins=cfg.effective_moment_bins, spec=sketch.SketchSpec(cfg.alpha),
+    groups = quantize.buckets(ms)
+    stacks = _encode_moments(
+        list(ms), key, buckets=groups, bins=cfg.effective_moment_bins, spec=sketch.SketchSpec(cfg.alpha),
         iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
         dtypes=tuple(jnp.dtype(m.dtype) for m in ms))
-    return [DeviceCodes(c, t, v, table_size(cfg.effective_moment_bins)) for c, t, v in zip(codes, tables, in_place)]
+    out: list[DeviceCodes | None] = [None] * len(ms)
+    for b, bucket in zip(groups, stacks):
+        for i, (c, t, v) in zip(b, zip(*map(quantize.unstack, bucket))):
+            out[i] = DeviceCodes(c, t, v, table_size(cfg.effective_moment_bins))
+    return out  # type: ignore[return-value]
 
 
 # A first moment is encoded in three jitted steps, so compile time does not grow with the number of tensors:

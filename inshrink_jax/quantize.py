@@ -179,7 +179,9 @@ class Kind(NamedTuple):
 def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
             kinds, spec, sigma, iters, tol, restarts, uniform):
     """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor,
-    by layer type: `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`), the
+    by layer type and, within one, by bucket (`Kind.buckets`), each stacked on a leading axis (`unstack` gives
+    the tensors: XLA's CPU backend compiles every output buffer as a kernel of its own, 15-40 ms each, so
+    per-tensor outputs here made the compile time grow with the number of tensors): `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`), the
     tensors of one type share the prune threshold. The configuration is traced, not static, so one compiled
     kernel serves every candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search
     space never mixes the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its
@@ -225,7 +227,7 @@ def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_frac
             centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins[t], step, kind.capacity))(part.counts)
         else:
             centres, widths = fitted[t], jnp.zeros(n, jnp.float32)
-        out.append(_level_codes(part, kind, centres, widths, bins[t], uniform, n))
+        out.append(_level_codes(part, kind, centres, widths, bins[t], uniform))
     return out
 
 
@@ -283,11 +285,11 @@ def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fractio
     return _Partition([x for x, _ in groups], scored, protected, pruned, counts, [i for b in kind.buckets for i in b])
 
 
-def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool, n: int):
+def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool):
     """Codes, levels and in-place protected values of one type's tensors quantized to k-means levels or to a
-    uniform quantizer's cells (`uniform`; `widths` per tensor): per tensor, in the order of the type's list."""
+    uniform quantizer's cells (`uniform`; `widths` per tensor): per bucket of `kind.buckets`, each stacked."""
     used = jnp.arange(kind.capacity) < bins
-    codes, levels, in_place = [None] * n, [None] * n, [None] * n
+    out = []
     row = 0
     for b, x, (x32, _, _, _), p, q in zip(kind.buckets, part.values, part.scored, part.protected, part.pruned):
         c, width = centres[row:row + len(b)], widths[row:row + len(b)]
@@ -297,10 +299,9 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
         values = jnp.where(p, _storage_values(x, kind.out_dtypes[b[0]]), jnp.zeros((), kind.out_dtypes[b[0]]))
-        for j, i in enumerate(b):
-            codes[i], in_place[i], levels[i] = code[j], values[j], jnp.where(used, c[j], 0.0)
+        out.append((code, jnp.where(used, c, 0.0), values))
         row += len(b)
-    return codes, levels, in_place
+    return out
 
 
 def _entropy_codes(part: _Partition, kind: Kind, rate, spec, n: int):
@@ -319,17 +320,16 @@ def _entropy_codes(part: _Partition, kind: Kind, rate, spec, n: int):
     # A level no value takes is stored as 0 (its text in the manifest is short and repeats).
     live = jnp.where(jnp.isfinite(penalised[1][:, 1:]), penalised[0][:, 1:] * unit, 0.0)
     centres = jnp.zeros((n, kind.capacity), jnp.float32).at[:, :slots].set(live)
-    codes, levels, in_place = [None] * n, [None] * n, [None] * n
+    out = []
     row = 0
     for b, x, (x32, _, _, _), p in zip(kind.buckets, part.values, part.scored, part.protected):
         levels_b, lengths_b = penalised[0][row:row + len(b)], penalised[1][row:row + len(b)]
         level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v / unit, lv, ln, lam))(x32, levels_b, lengths_b)
         code = jnp.where(p, slots + 1, level).astype(jnp.uint8)
         values = jnp.where(p, _storage_values(x, kind.out_dtypes[b[0]]), jnp.zeros((), kind.out_dtypes[b[0]]))
-        for j, i in enumerate(b):
-            codes[i], in_place[i], levels[i] = code[j], values[j], centres[row + j]
+        out.append((code, centres[row:row + len(b)], values))
         row += len(b)
-    return codes, levels, in_place
+    return out
 
 
 def buckets(*columns: Sequence) -> tuple[tuple[int, ...], ...]:
@@ -522,10 +522,19 @@ def encode_on_device(
             [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
             kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
             iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0)
-        for t, (codes, centres, in_place) in zip(ts, results):
-            for i, c, cen, v in zip(idx[t], codes, centres, in_place):
-                out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i])
+        for t, per_bucket in zip(ts, results):
+            for b, stacks in zip(kinds[t].buckets, per_bucket):
+                for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
+                    out[idx[t][b[j]]] = DeviceCodes(c, cen, v, bins[t], offsets[idx[t][b[j]]])
     return out  # type: ignore[return-value]
+
+
+@jax.jit
+def unstack(a: jax.Array) -> list[jax.Array]:
+    """The arrays stacked on `a`'s leading axis, one output each: compiled once per shape, count, dtype and
+    sharding, so every encoder whose outputs are stacks of those shares the kernel (the keyframe's and the
+    residuals' weights, the second moments' codes)."""
+    return [a[j] for j in range(a.shape[0])]
 
 
 def _devices(x) -> set:

@@ -176,3 +176,33 @@ def test_bad_config_is_refused():
         QuantConfig(bins=300)
     with pytest.raises(ValueError, match="prune_metric"):
         QuantConfig(prune_metric="random")
+
+
+@pytest.mark.parametrize("count", [2, 12])
+def test_the_encoder_returns_one_stack_per_bucket_not_one_array_per_tensor(count, monkeypatch):
+    """XLA compiles each output buffer of a jitted function as a kernel of its own: the encoder's outputs are
+    stacks of alike tensors (3 per bucket: codes, levels, protected values) whatever their count, and each
+    tensor gets its own rows of them back, in the order it was given (here interleaved with another bucket)."""
+    shapes = [(16, 8) if i % 2 else (8, 16) for i in range(2 * count)] + [(40,)]
+    xs = [jnp.asarray(weights(s, i)) for i, s in enumerate(shapes)]
+    kinds = ["dense"] * (2 * count) + ["other"]
+    returned = []
+    encode = quantize._encode
+
+    def spy(*args, **kwargs):
+        out = encode(*args, **kwargs)
+        returned.append(out)
+        return out
+
+    monkeypatch.setattr(quantize, "_encode", spy)
+    devs = quantize.encode_on_device(xs, [None] * len(xs), kinds, QuantConfig(bins=4, protect_fraction=0.05), CFG)
+    [[dense, other]] = returned
+    assert [[a.shape for a in bucket] for bucket in dense + other] == [
+        [(count, 8, 16), (count, CFG.bins_capacity), (count, 8, 16)],
+        [(count, 16, 8), (count, CFG.bins_capacity), (count, 16, 8)],
+        [(1, 40), (1, CFG.bins_capacity), (1, 40)]]
+    for i, d in enumerate(devs):
+        bucket, row = (other[0], 0) if i == len(xs) - 1 else (dense[i % 2], i // 2)
+        for got, stack in zip((d.codes, d.centres, d.protected_in_place), bucket):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(stack)[row])
+        assert d.codes.shape == shapes[i]
