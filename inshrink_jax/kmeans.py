@@ -9,7 +9,7 @@ iterations. Centres come out sorted ascending, so the codes built on them are or
 
 The number of centres `k` may be a traced value below a static `capacity`: the arrays hold `capacity` slots
 and the unused ones sit at +inf, where no point is ever assigned. One compiled kernel then serves every bin
-count the configuration search tries (XLA compiles the encoder in seconds per layer group on CPU; `assign`'s
+count the configuration search tries (XLA compiles the encoder in seconds on CPU; `assign`'s
 comparisons are memory-bound, so the unused slots cost little).
 """
 
