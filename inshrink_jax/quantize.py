@@ -11,11 +11,11 @@ for closed-loop residuals where a configuration asks for them, to a uniform quan
 or to entropy-constrained levels, `QuantConfig.rate`, whose zero level takes the place of pruning: code 0).
 
 All per-weight work is one jitted function for the whole state (so XLA runs the tensors' histogram passes side
-by side, and compiles the k-means once). Besides the codes it emits each tensor's protected values *in place* (the storage-dtype value where the
-code is protected, 0 elsewhere; one fused elementwise output), so nothing has to read the input after the
-encoder is dispatched: a training loop may donate its state the moment `save()` returns, and the device work
-and the device-to-host copies finish in the background. The host compacts the protected values with a scan of
-the uint8 codes it fetches anyway: a device-side prefix sum (`jnp.nonzero`) costs 10-13 ns per weight on XLA's
+by side, and compiles the k-means once). Besides the codes it emits each tensor's protected values *in place*
+(the storage-dtype value where the code is protected, 0 elsewhere; one fused elementwise output), so nothing has
+to read the input after the encoder is dispatched: a training loop may donate its state the moment `save()`
+returns, and the device work and the device-to-host copies finish in the background. The host compacts the
+protected values with a scan of the uint8 codes it fetches anyway: a device-side prefix sum (`jnp.nonzero`) costs 10-13 ns per weight on XLA's
 CPU backend, the host scan 0.1 ns (benchmarks/results/stages.md).
 """
 
@@ -133,6 +133,11 @@ def _storage_values(x: jax.Array, out_dtype) -> jax.Array:
     return x.astype(out_dtype)
 
 
+def _in_place(x: jax.Array, protected: jax.Array, out_dtype) -> jax.Array:
+    """The protected values in place: `x` in its storage dtype where `protected`, 0 elsewhere."""
+    return jnp.where(protected, _storage_values(x, out_dtype), jnp.zeros((), out_dtype))
+
+
 def _finite_offset(offset: jax.Array) -> jax.Array:
     """The offset in float32 with its non-finite values replaced by 0: a base weight that is Inf or NaN cannot be
     added to, so such a weight is stored (and restored) as the tensor's own value."""
@@ -178,23 +183,23 @@ class Kind(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform"))
 def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
             kinds, spec, sigma, iters, tol, restarts, uniform):
-    """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor,
-    by layer type and, within one, by bucket (`Kind.buckets`), each stacked on a leading axis (`unstack` gives
-    the tensors: XLA's CPU backend compiles every output buffer as a kernel of its own, 15-40 ms each, so
-    per-tensor outputs here made the compile time grow with the number of tensors): `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`), the
-    tensors of one type share the prune threshold. The configuration is traced, not static, so one compiled
-    kernel serves every candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search
-    space never mixes the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its
-    residual x - offset (its prune and protect scores are then those of the change against the offset).
+    """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor:
+    `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`); the tensors of one type
+    share the prune threshold. The configuration is traced, not static, so one compiled kernel serves every
+    candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search space never mixes
+    the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its residual
+    x - offset (its prune and protect scores are then those of the change against the offset).
 
-    One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (two
-    with embedding tables, which have a bin count of their own), so its iteration overhead is paid once and XLA
-    compiles it once, not once per layer type (about a second of CPU compile time each). Within a type, `Kind.buckets` groups the tensors of the same shape, dtypes,
-    sharding and kind: each group is stacked on a leading axis and its per-tensor passes (protect thresholds,
-    histograms, codes) run once, vmapped (`per_tensor_map`), so the compiled program grows with the number of
-    distinct tensor shapes, not with the number of tensors (a 24-layer transformer has 390 parameter tensors
-    of a dozen shapes). Integer counts and thresholds make the result identical to encoding the tensors one by
-    one.
+    One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (two with
+    embedding tables, which have a bin count of their own), so its iteration overhead is paid once and XLA
+    compiles it once, not once per layer type. Within a type, `Kind.buckets` groups the tensors of the same
+    shape, dtypes, sharding and kind: each group is stacked on a leading axis, its per-tensor passes (protect
+    thresholds, histograms, codes) run once, vmapped (`per_tensor_map`), and its outputs come back stacked: per
+    type, per bucket, (codes, levels, protected values), which `unstack` splits. XLA's CPU backend compiles every
+    output buffer as a kernel of its own, so neither the program nor its outputs grow with the number of
+    tensors, only with the number of distinct shapes (a 24-layer transformer has 390 parameter tensors of a
+    dozen shapes). Integer counts and thresholds make the result identical to encoding each bucket's tensors one
+    by one (with the same keys).
 
     `Kind.entropy_slots` (0: not used): entropy-constrained levels (QuantConfig.rate): a zero level (code 0,
     as pruned) and `entropy_slots` others, fitted to each tensor's histogram with the code-length weight `rate`
@@ -298,8 +303,7 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
         level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
-        values = jnp.where(p, _storage_values(x, kind.out_dtypes[b[0]]), jnp.zeros((), kind.out_dtypes[b[0]]))
-        out.append((code, jnp.where(used, c, 0.0), values))
+        out.append((code, jnp.where(used, c, 0.0), _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
     return out
 
@@ -326,8 +330,7 @@ def _entropy_codes(part: _Partition, kind: Kind, rate, spec, n: int):
         levels_b, lengths_b = penalised[0][row:row + len(b)], penalised[1][row:row + len(b)]
         level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v / unit, lv, ln, lam))(x32, levels_b, lengths_b)
         code = jnp.where(p, slots + 1, level).astype(jnp.uint8)
-        values = jnp.where(p, _storage_values(x, kind.out_dtypes[b[0]]), jnp.zeros((), kind.out_dtypes[b[0]]))
-        out.append((code, centres[row:row + len(b)], values))
+        out.append((code, centres[row:row + len(b)], _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
     return out
 
