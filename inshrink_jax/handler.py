@@ -30,19 +30,25 @@ from inshrink_jax.config import CompressionConfig
 
 
 _DISCARD_ATTEMPTS = 5
+_METADATA_WAIT_S = 10.0  # Orbax's checkpointers always write it; the bound only guards a checkpointer that does not
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax.checkpoint._src.metadata.checkpoint's step metadata file
 
 
 def _discard_temporary(directory) -> None:
     """Remove the temporary directories Orbax made for a save this handler refused (bad input, a changed base):
     a refused save leaves nothing behind. Orbax may still be creating them in the background, so this waits for
-    its directory-creation signal, and tries again while its threads still add to them; only directories named
-    as Orbax's temporary ones are touched. Best effort: a failure to remove is a warning, never an error that
-    would hide the one that refused the save."""
+    its directory-creation signal and for the step metadata file its checkpointer writes there on a thread of its
+    own (removed before that write, the write fails and the manager's `close` raises), and tries again while its
+    threads still add to them; only directories named as Orbax's temporary ones are touched. Best effort: a
+    failure to remove is a warning, never an error that would hide the one that refused the save."""
     async def remove():
         d = epath.Path(directory)
         outer = d.parent if store.TMP_SUFFIX in d.parent.name else d if store.TMP_SUFFIX in d.name else None
         if outer is None:
             return
+        deadline = time.monotonic() + _METADATA_WAIT_S
+        while not (outer / _STEP_METADATA).exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         for attempt in range(_DISCARD_ATTEMPTS):
             try:
                 outer.rmtree(missing_ok=True)

@@ -2,6 +2,7 @@
 written."""
 
 import subprocess
+import time
 import sys
 
 import jax
@@ -226,3 +227,21 @@ def test_large_records_are_zstd_coded_and_a_forged_one_is_a_named_error(tmp_path
         (step / store.MANIFEST).write_bytes(forged)
         with pytest.raises(ij.CheckpointCorruptError, match=r"step 0.*manifest.*corrupted"):
             ij.InshrinkCheckpointHandler().restore(step, ij.InshrinkRestore())
+
+
+def test_a_refused_save_leaves_nothing_even_when_orbax_writes_its_step_metadata_late(tmp_path, monkeypatch):
+    """Orbax writes a step's `_CHECKPOINT_METADATA` on a thread of its own after it makes the temporary directory;
+    a refused save's cleanup waits for that write, so the manager closes without an error and nothing is left."""
+    from orbax.checkpoint._src.metadata import checkpoint as step_metadata
+    write = step_metadata._MetadataStoreImpl.write
+
+    def late(self, file_path, metadata):
+        time.sleep(0.5)
+        return write(self, file_path, metadata)
+
+    monkeypatch.setattr(step_metadata._MetadataStoreImpl, "write", late)
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler())
+    with pytest.raises(TypeError, match="unsupported type object"):
+        mngr.save(0, args=ij.InshrinkSave({"params": {"w": jnp.ones((64, 64))}, "x": object()}))
+    mngr.close()
+    assert mngr.all_steps() == [] and not [p.name for p in tmp_path.iterdir() if "tmp" in p.name]
