@@ -633,9 +633,10 @@ def _chain_start(codes, table):
 @functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
 def _chain_group(a, codes, tables, used, *, dtype):
     """`a` plus each of `CHAIN_GROUP` links' residuals where `used`, per link the formula of the save
-    (`plus_offset`)."""
-    for i, (c, t) in enumerate(zip(codes, tables)):
-        a = jnp.where(used[i], plus_offset(t[c], a, dtype), a)
+    (`plus_offset`): `codes` (CHAIN_GROUP, n) and `tables` (CHAIN_GROUP, 256) hold one row per link, so a
+    group's host arrays reach the device in one transfer of three arrays."""
+    for i in range(CHAIN_GROUP):
+        a = jnp.where(used[i], plus_offset(tables[i][codes[i]], a, dtype), a)
         if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
             a = jax.lax.optimization_barrier(a)
     return a
@@ -707,9 +708,10 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     for g in range(0, len(residuals), CHAIN_GROUP):
         group = residuals[g:g + CHAIN_GROUP]
         pad = CHAIN_GROUP - len(group)
-        codes, tables, used = put([[e.codes.reshape(-1) for e in group], [_table(e, f32) for e in group],
+        codes, tables, used = put([np.stack([e.codes.reshape(-1) for e in group + group[-1:] * pad]),
+                                   np.stack([_table(e, f32) for e in group + group[-1:] * pad]),
                                    np.arange(CHAIN_GROUP) < len(group)])
-        out = _chain_group(out, codes + codes[-1:] * pad, tables + tables[-1:] * pad, used, dtype=jnp.dtype(dtype))
+        out = _chain_group(out, codes, tables, used, dtype=jnp.dtype(dtype))
     if at.size:
         out = _put_at(out, *put([fix_at, fix_values]))
     return out.reshape(shape)
