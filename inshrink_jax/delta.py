@@ -30,7 +30,7 @@ def _sorted(flat: np.ndarray, b: int) -> np.ndarray:
     """`flat` sorted ascending (= flat[_order(flat)]), as uint16, built from its histogram without a gather."""
     counts = np.bincount(flat, minlength=b)
     if counts.size > b:
-        raise ValueError(f"codes up to {counts.size - 1} do not fit delta modulus {b}")
+        raise ValueError(f"code {counts.size - 1} is not below the delta modulus {b}")
     return np.repeat(np.arange(b, dtype=np.uint16), counts)
 
 
@@ -57,9 +57,10 @@ def decode(prev: np.ndarray, d: np.ndarray, b: int, rearrange: bool = True) -> n
     flat = prev.reshape(-1)
     if d.size != flat.size:
         raise ValueError(f"delta stream has {d.size} values for {flat.size} codes")
-    for name, v in (("delta", d), ("previous code", flat)):  # what `_wrap`'s table holds: both below b
+    # What `_wrap`'s table holds: deltas and previous codes below b (`_sorted` checks the codes when rearranged).
+    for v in (d,) if rearrange else (d, flat):
         if v.size and int(v.max()) >= b:
-            raise ValueError(f"{name} {int(v.max())} is not below the delta modulus {b}")
+            raise ValueError(f"code {int(v.max())} is not below the delta modulus {b}")
     if not rearrange:
         return _wrap(flat.astype(np.uint16) + d, b).reshape(prev.shape)
     out = np.empty_like(flat)

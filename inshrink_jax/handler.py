@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import options as options_lib
 from orbax.checkpoint._src import asyncio_utils
+from orbax.checkpoint._src.metadata import checkpoint as step_metadata
 
 from inshrink_jax import restore, save, store
 from inshrink_jax.base import BaseCheckpoint
@@ -31,7 +32,6 @@ from inshrink_jax.config import CompressionConfig
 
 _DISCARD_ATTEMPTS = 5
 _METADATA_WAIT_S = 10.0  # Orbax's checkpointers always write it; the bound only guards a checkpointer that does not
-_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax.checkpoint._src.metadata.checkpoint's step metadata file
 
 
 def _discard_temporary(directory) -> None:
@@ -47,7 +47,7 @@ def _discard_temporary(directory) -> None:
         if outer is None:
             return
         deadline = time.monotonic() + _METADATA_WAIT_S
-        while not (outer / _STEP_METADATA).exists() and time.monotonic() < deadline:
+        while not step_metadata.step_metadata_file_path(outer).exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for attempt in range(_DISCARD_ATTEMPTS):
             try:

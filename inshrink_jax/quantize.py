@@ -15,8 +15,8 @@ by side, and compiles the k-means once). Besides the codes it emits each tensor'
 (the storage-dtype value where the code is protected, 0 elsewhere; one fused elementwise output), so nothing has
 to read the input after the encoder is dispatched: a training loop may donate its state the moment `save()`
 returns, and the device work and the device-to-host copies finish in the background. The host compacts the
-protected values with a scan of the uint8 codes it fetches anyway: a device-side prefix sum (`jnp.nonzero`) costs 10-13 ns per weight on XLA's
-CPU backend, the host scan 0.1 ns (benchmarks/results/stages.md).
+protected values with a scan of the uint8 codes it fetches anyway: a device-side prefix sum (`jnp.nonzero`) costs
+10-13 ns per weight on XLA's CPU backend, the host scan 0.1 ns (benchmarks/results/stages.md).
 """
 
 from __future__ import annotations

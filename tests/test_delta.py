@@ -43,9 +43,9 @@ def test_rearranged_stream_is_grouped_by_previous_code():
 def test_a_delta_or_previous_code_past_the_modulus_is_refused(rearrange):
     """A stream from disk is untrusted: a value the modulus cannot hold is an error, never an out-of-range code."""
     prev = np.array([2, 0, 1, 0], np.uint8)
-    with pytest.raises(ValueError, match="delta 6 is not below the delta modulus 6"):
+    with pytest.raises(ValueError, match="code 6 is not below the delta modulus 6"):
         delta.decode(prev, np.array([0, 6, 0, 0], np.uint8), 6, rearrange)
-    with pytest.raises(ValueError, match="previous code 7 is not below the delta modulus 6"):
+    with pytest.raises(ValueError, match="code 7 is not below the delta modulus 6"):
         delta.decode(np.array([7, 0, 1, 0], np.uint8), np.zeros(4, np.uint8), 6, rearrange)
 
 
