@@ -116,11 +116,12 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
     elif codec == ZSTD_RANK:
         arr = _bytes_view(data)
-        alphabet = np.flatnonzero(np.bincount(arr, minlength=256)).astype(np.uint8) if arr.size else \
-            np.zeros(1, np.uint8)
+        alphabet = np.flatnonzero(byte_counts(arr)).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
         if alphabet.size > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
-        ranks = np.searchsorted(alphabet, arr).astype(np.uint8)
+        rank_of = np.zeros(256, np.uint8)
+        rank_of[alphabet] = np.arange(alphabet.size, dtype=np.uint8)
+        ranks = np.take(rank_of, arr)  # a table lookup: several times faster than np.searchsorted on bytes
         return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
     elif codec == ZSTD:
         buf = _bytes_view(data)
@@ -148,14 +149,37 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = 
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
-    counts = np.bincount(raw, minlength=256) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK} else None
+    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK} else None
+    packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and (
+        (ZSTD_RADIX in codecs and _can_win(ZSTD_RADIX, counts)) or (ZSTD_RANK in codecs and _can_win(ZSTD_RANK, counts)))
     for c in codecs:
-        if not _can_win(c, counts):
+        if not _can_win(c, counts) or (packs and c == ZSTD):
             continue
         packed = compress(raw if c != ZSTD_PLANES else data, c, level)
         if len(packed) < best[2]:
             best = (packed, c, len(packed))
     return (best[0], best[1]) if best[0] is not None else (raw.tobytes(), RAW)
+
+
+# A stream of at least this many values that radix or rank packing can code skips plain zstd, a pass of about
+# 2.5 ns a value: on the code and delta streams of a 440k-parameter transformer's six saves plain zstd won on 12 of
+# 383 streams of 4096 values or more where packing applied, by 2.7% of their bytes (0.1% of the saves'); on large
+# streams its time matters more than that.
+_PACKED_ONLY_SIZE = 1 << 20
+
+
+def byte_counts(raw: np.ndarray) -> np.ndarray:
+    """The histogram of a flat uint8 array (256 int64 counts), as np.bincount(raw, minlength=256) but about 3x
+    faster: np.bincount widens every element to 64 bits, so pairs of bytes are counted as one 16-bit value and
+    the 65536 counts folded onto each byte."""
+    pairs = raw.size // 2
+    if pairs < 1 << 16:
+        return np.bincount(raw, minlength=256)
+    wide = np.bincount(raw[:2 * pairs].view(np.uint16), minlength=1 << 16).reshape(256, 256)
+    counts = wide.sum(axis=0) + wide.sum(axis=1)  # one byte of each pair indexes the columns, the other the rows
+    if raw.size % 2:
+        counts[raw[-1]] += 1
+    return counts
 
 
 def _can_win(codec: str, counts: np.ndarray | None) -> bool:

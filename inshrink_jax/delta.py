@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from inshrink_jax import codec
+
 
 def modulus(bins_prev: int, bins_new: int) -> int:
     """B for a delta between checkpoints quantized to `bins_prev` and `bins_new` levels."""
@@ -28,10 +30,10 @@ def _order(prev: np.ndarray) -> np.ndarray:
 
 def _sorted(flat: np.ndarray, b: int) -> np.ndarray:
     """`flat` sorted ascending (= flat[_order(flat)]), as uint16, built from its histogram without a gather."""
-    counts = np.bincount(flat, minlength=b)
-    if counts.size > b:
-        raise ValueError(f"code {counts.size - 1} is not below the delta modulus {b}")
-    return np.repeat(np.arange(b, dtype=np.uint16), counts)
+    counts = codec.byte_counts(flat) if flat.dtype == np.uint8 else np.bincount(flat, minlength=b)
+    if counts[b:].any():
+        raise ValueError(f"code {int(np.flatnonzero(counts)[-1])} is not below the delta modulus {b}")
+    return np.repeat(np.arange(b, dtype=np.uint16), counts[:b])
 
 
 def _wrap(v: np.ndarray, b: int) -> np.ndarray:
