@@ -180,14 +180,19 @@ class Kind(NamedTuple):
     own_bins: bool
 
 
-@functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform"))
+@functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
+                                             "protects"))
 def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
-            kinds, spec, sigma, iters, tol, restarts, uniform):
+            kinds, spec, sigma, iters, tol, restarts, uniform, protects):
     """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor:
     `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`); the tensors of one type
     share the prune threshold. The configuration is traced, not static, so one compiled kernel serves every
     candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search space never mixes
-    the two kinds of levels, and only one is compiled). A tensor with an offset is encoded as its residual
+    the two kinds of levels, and only one is compiled; `protects`, whether `protect_fraction` > 0, is static too:
+    without it the per-tensor selection of the largest values, two radix histograms of 32768 and 65536 buckets
+    a tensor, is not compiled, which for a state of many small tensors was half of a residual save's encode; a
+    search space's protect fractions are all positive (keyframes) or all 0 (closed-loop residuals), so each
+    compiles one kernel). A tensor with an offset is encoded as its residual
     x - offset (its prune and protect scores are then those of the change against the offset).
 
     One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (two with
@@ -206,8 +211,8 @@ def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_frac
     times the mean square of the type's quantized values (one slope for every tensor of the type: the bits go
     where they remove the most squared error); each value takes the level of least squared error plus that
     weight times the level's code length (`kmeans.entropy_constrained`)."""
-    parts = [_partition(xs[t], gs[t], offsets[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec)
-             for t, kind in enumerate(kinds)]
+    parts = [_partition(xs[t], gs[t], offsets[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec,
+                        protects) for t, kind in enumerate(kinds)]
     keys = [jax.random.split(keys[t], len(xs[t]))[np.asarray(part.order)] for t, part in enumerate(parts)]
     fitted = {}
     for own in (False, True):
@@ -249,9 +254,10 @@ class _Partition(NamedTuple):
     order: list[int]
 
 
-def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fraction, kind: Kind, spec) -> _Partition:
-    """Protect (the top `protect_fraction` of each tensor by magnitude, or by sensitivity as well, and every
-    non-finite value), prune (the `prune_fraction` least important of the type's other prunable values; none
+def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fraction, kind: Kind, spec,
+               protects: bool) -> _Partition:
+    """Protect (the top `protect_fraction` of each tensor by magnitude, or by sensitivity as well, when
+    `protects`; and every non-finite value), prune (the `prune_fraction` least important of the type's other prunable values; none
     with entropy-constrained levels, which prune by their zero level), and the histograms of the rest."""
     def per_tensor(a):  # every axis but the stacking one
         return tuple(range(1, a.ndim))
@@ -267,6 +273,9 @@ def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fractio
     scored = [_scores(x, g) for x, g in groups]
     protected = []
     for (x32, finite, mag, sens), (_, g) in zip(scored, groups):
+        if not protects:
+            protected.append(~finite)
+            continue
         k = _round_count(protect_fraction, jnp.sum(finite.astype(jnp.int32), axis=per_tensor(finite)))
         p = per_tensor_map(top, mag, finite, k)
         if g is not None:
@@ -524,7 +533,8 @@ def encode_on_device(
             np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
             [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
             kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
-            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0)
+            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
+            protects=quant.protect_fraction > 0)
         for t, per_bucket in zip(ts, results):
             for b, stacks in zip(kinds[t].buckets, per_bucket):
                 for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):

@@ -144,3 +144,34 @@ def test_entropy_constrained_levels_fit_their_shares_and_widen_the_zero_level_wi
     got = np.asarray(kmeans.penalised_assign(jnp.asarray([-0.6, -0.4, 0.4, 0.6, 3.0]), levels,
                                              jnp.asarray([5.0, 1.0, 1.0]), 0.0))
     assert got.tolist() == [1, 0, 0, 2, 2]
+
+
+def test_compact_keeps_the_points_of_weight_when_they_fit_and_merges_them_in_order_when_not():
+    rng = np.random.default_rng(0)
+    points = jnp.asarray(np.sort(rng.normal(size=5000)).astype(np.float32))
+    weights = np.where(rng.random(5000) < 0.3, rng.random(5000), 0.0).astype(np.float32)
+    n = int((weights > 0).sum())
+    p, w = kmeans.compact(points, jnp.asarray(weights), slots=n + 10)
+    np.testing.assert_array_equal(np.asarray(p)[:n], np.asarray(points)[weights > 0])  # bit-identical
+    np.testing.assert_array_equal(np.asarray(w)[:n], weights[weights > 0])
+    assert not np.asarray(w)[n:].any() and np.all(np.diff(np.asarray(p)) >= 0)
+    p, w = kmeans.compact(points, jnp.asarray(weights), slots=64)  # n > 64: 64 groups of consecutive points
+    p, w = np.asarray(p, np.float64), np.asarray(w, np.float64)
+    assert np.all(w > 0) and np.all(np.diff(p) >= 0)
+    np.testing.assert_allclose(w.sum(), weights.sum(), rtol=1e-5)
+    np.testing.assert_allclose((w * p).sum(), (weights * np.asarray(points)).sum(), rtol=1e-4, atol=1e-4)
+
+
+def test_kmeans_of_a_histogram_is_that_of_its_filled_buckets():
+    """k-means on a full histogram (17,607 buckets, compacted to `COMPACT_SLOTS`) gives the centres it gives on
+    the filled buckets alone: the buckets of weight 0 take no part."""
+    x = jnp.asarray((np.random.default_rng(1).standard_t(3, 20_000) * 0.05).astype(np.float32))
+    counts = sketch.histogram(x, SPEC)
+    values = jnp.asarray(SPEC.representatives())
+    w = kmeans.bucket_weights(counts, values, 0.2)
+    assert values.shape[0] > kmeans.COMPACT_SLOTS
+    filled = np.asarray(w) > 0
+    for k in (3, 8, 16):
+        full = kmeans.weighted_kmeans(values, w, k, jax.random.PRNGKey(k), restarts=3)
+        alone = kmeans.weighted_kmeans(values[filled], w[filled], k, jax.random.PRNGKey(k), restarts=3)
+        np.testing.assert_allclose(np.asarray(full), np.asarray(alone), rtol=1e-6)

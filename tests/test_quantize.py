@@ -206,3 +206,24 @@ def test_the_encoder_returns_one_stack_per_bucket_not_one_array_per_tensor(count
         for got, stack in zip((d.codes, d.centres, d.protected_in_place), bucket):
             np.testing.assert_array_equal(np.asarray(got), np.asarray(stack)[row])
         assert d.codes.shape == shapes[i]
+
+
+def test_without_protection_the_kernel_skips_the_protect_pass_and_encodes_the_same(monkeypatch):
+    """protect_fraction 0 compiles the encoder without its per-tensor selection of the largest values (a static
+    flag): codes, levels and protected values (the non-finite ones) are those of the kernel with that pass."""
+    qc = QuantConfig(bins=4, prune_fraction=0.5, protect_fraction=0.0)
+    xs = [weights((64, 128), 0), weights((3, 3, 16, 32), 1), weights((300,), 2)]
+    xs[0][3, 5], xs[1][0, 0, 0, 1] = np.nan, -np.inf
+    args = ([jnp.asarray(x) for x in xs], [None] * 3, ["dense", "conv", "other"], qc, CFG)
+    flags = []
+    encode = quantize._encode
+    monkeypatch.setattr(quantize, "_encode", lambda *a, **kw: (flags.append(kw["protects"]), encode(*a, **kw))[1])
+    without = quantize.encode_tensors(*args)
+    monkeypatch.setattr(quantize, "_encode", lambda *a, **kw: encode(*a, **{**kw, "protects": True}))
+    with_pass = quantize.encode_tensors(*args)
+    assert flags == [False]
+    for a, b in zip(without, with_pass):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.centres, b.centres)
+        assert a.protected.tobytes() == b.protected.tobytes()  # bit for bit (NaN included)
+    assert without[0].protected.size == 1 and np.isnan(without[0].protected[0])
