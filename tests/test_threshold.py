@@ -1,5 +1,6 @@
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, strategies as st
 
 from inshrink_jax import threshold
@@ -63,3 +64,19 @@ def test_k_zero_selects_nothing_and_k_past_count_selects_all():
     m = jnp.ones(4, bool)
     assert int(threshold.kth_largest([s], [m], 0).select(s).sum()) == 0
     assert int(threshold.kth_largest([s], [m], 99).select(s).sum()) == 4
+
+
+@pytest.mark.parametrize("digits", [threshold.DIGITS, threshold.SMALL_DIGITS, (16, 15), (8, 8, 8, 7)])
+@pytest.mark.parametrize("with_ties", [False, True])
+def test_every_split_of_the_bits_finds_the_same_threshold(digits, with_ties, monkeypatch):
+    """The histograms may read the 31 bits in any split (the default one for large scores, three of 11, 10 and
+    10 bits for small ones): each finds the k-th largest exactly."""
+    monkeypatch.setattr(threshold, "DIGITS", digits)
+    monkeypatch.setattr(threshold, "SMALL", 0)
+    rng = np.random.default_rng(len(digits))
+    n = 3000
+    s = (rng.integers(0, 20, n).astype(np.float32) * np.float32(0.37) if with_ties else
+         np.abs(rng.standard_t(2, n)).astype(np.float32) * np.float32(10.0 ** rng.uniform(-30, 30)))
+    for k in (0, 1, 7, 1500, 2999, 3000, 5000):
+        got = np.asarray(threshold.kth_largest([jnp.asarray(s)], [jnp.ones(n, bool)], k).select(jnp.asarray(s)))
+        np.testing.assert_array_equal(got, expected_top(s, k))
