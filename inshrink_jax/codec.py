@@ -39,6 +39,8 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import zstandard
 
@@ -128,7 +130,26 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
                          f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}")
-    return zstandard.ZstdCompressor(level=level).compress(buf)
+    return _compressor(level).compress(buf)
+
+
+# zstandard's (de)compression contexts, one per thread (an object is not safe to share between threads) and
+# level: making one costs about as much as coding a stream of a few kilobytes (25 us of 60 to compress 8 KiB,
+# 18 us of 28 to decompress it), and a save or restore codes a few streams per leaf.
+_contexts = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    made = _contexts.__dict__.setdefault("compressors", {})
+    if level not in made:
+        made[level] = zstandard.ZstdCompressor(level=level)
+    return made[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_contexts, "decompressor"):
+        _contexts.decompressor = zstandard.ZstdDecompressor()
+    return _contexts.decompressor
 
 
 _RUN_VALUE_CODECS = (RAW, ZSTD, ZSTD_RADIX, ZSTD_RANK)  # "zstd-runs": its values' codec byte indexes this
@@ -244,7 +265,7 @@ def _zstd(blob: bytes, limit: int) -> bytes:
         declared = zstandard.get_frame_parameters(blob).content_size
         if declared != zstandard.CONTENTSIZE_UNKNOWN and declared > limit:
             raise CodecError(f"zstandard frame declares {declared} bytes, at most {limit} expected")
-        out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=max(limit, 1))
+        out = _decompressor().decompress(blob, max_output_size=max(limit, 1))
     except zstandard.ZstdError as e:
         raise CodecError(f"zstandard stream does not decode ({e})") from None
     if len(out) > limit:

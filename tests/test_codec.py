@@ -185,3 +185,15 @@ def test_a_large_stream_that_packs_skips_plain_zstd(monkeypatch):
         blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
         assert ((n, codec.ZSTD) in tried) == plain and used == codec.ZSTD_RANK
         assert codec.decompress(blob, used, n) == a.tobytes()
+
+
+def test_a_corrupt_stream_leaves_the_reused_contexts_working():
+    """Compression and decompression contexts are kept per thread; one stream that fails to decode (corrupt, or
+    larger than its record says) does not affect the next."""
+    a = (np.arange(20_000) % 7).astype(np.uint8)
+    blob = codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)
+    for bad, size in ((blob[:20] + bytes(len(blob) - 20), a.size), (blob, 100)):
+        with pytest.raises(codec.CodecError):
+            codec.decompress(bad, codec.ZSTD, size)
+        assert codec.decompress(blob, codec.ZSTD, a.size) == a.tobytes()
+        assert codec.compress(a, codec.ZSTD, codec.CODE_LEVEL) == blob
