@@ -5,9 +5,11 @@ degradation is at most epsilon:
 
 - The space is a cube: one axis per knob (bins, prune fraction, protect fraction, and embedding bins when the
   state has embedding tables), each ordered from most to least aggressive, so quality is assumed to rise along
-  every axis. The prune metric is not an axis: the search runs per metric.
+  every axis, except the prune axis of a closed-loop residual's space (`Cube.ordered`: a pruned residual is a
+  level at 0, so more pruning may mean less error). The prune metric is not an axis: the search runs per metric.
 - First save (and fallbacks): guided exhaustive search, once per prune metric. Walk the diagonal of the cube
-  from its most to its least aggressive corner to locate the first feasible point (a point below an
+  (one per value of an unordered axis, walked together) from its most to its least aggressive corner to locate
+  the first feasible point (a point below an
   infeasible one is infeasible, one above a feasible one is feasible: a few evaluations decide large parts of
   the cube). Then best first: evaluate the not-yet-excluded point with the highest estimated ratio, until the
   best candidate left is known feasible. The paper recurses into sub-cubes instead, skipping those whose
@@ -58,9 +60,14 @@ class Cube:
     names: tuple[str, ...]
     values: tuple[tuple, ...]
     base: QuantConfig  # supplies the knobs that are not axes (e.g. embedding bins without embeddings)
+    # Per axis, whether quality rises along it (the search infers feasibility along those only). Not the prune
+    # axis of a closed-loop residual: a pruned residual keeps the previous reconstruction, a level at 0 the
+    # others do not have, so pruning half of a residual quantized to 4 levels often has less error than pruning
+    # none (benchmarks/results/residual_search.md).
+    ordered: tuple[bool, ...] = ()
 
     @classmethod
-    def build(cls, space: SearchSpace, has_embedding: bool, base: QuantConfig) -> "Cube":
+    def build(cls, space: SearchSpace, has_embedding: bool, base: QuantConfig, residual: bool = False) -> "Cube":
         axes = [("bins", tuple(sorted(space.bins))),
                 ("prune_fraction", tuple(sorted(space.prune_fractions, reverse=True))),
                 ("protect_fraction", tuple(sorted(space.protect_fractions)))]
@@ -76,7 +83,13 @@ class Cube:
             axes.append(("rate", tuple(sorted(space.rates, reverse=True))))
         else:
             base = dataclasses.replace(base, rate=space.rates[0])
-        return cls(tuple(n for n, _ in axes), tuple(v for _, v in axes), base)
+        ordered = tuple(not (residual and n == "prune_fraction") for n, _ in axes)
+        return cls(tuple(n for n, _ in axes), tuple(v for _, v in axes), base, ordered)
+
+    def below(self, p: Sequence[int], q: Sequence[int]) -> bool:
+        """Whether `p` is at most as good as `q` wherever quality is ordered (no less aggressive on any ordered
+        axis) and equal on the others: p feasible implies q feasible, q infeasible implies p infeasible."""
+        return all(a <= b if o else a == b for a, b, o in zip(p, q, self.ordered or (True,) * len(p)))
 
     @property
     def top(self) -> tuple[int, ...]:
@@ -196,9 +209,9 @@ class _Evaluations:
         for (m, q), dq in self.known.items():
             if m != metric:
                 continue
-            if dq <= self.epsilon and all(a <= b for a, b in zip(q, point)):
+            if dq <= self.epsilon and self.cube.below(q, point):
                 return True
-            if dq > self.epsilon and all(a <= b for a, b in zip(point, q)):
+            if dq > self.epsilon and self.cube.below(point, q):
                 return False
         return None
 
@@ -244,11 +257,15 @@ def _exhaustive(ev: _Evaluations, metric: str, floor: tuple[int, ...]) -> None:
     the highest estimated ratio that is not known to be infeasible is evaluated (a round takes the next
     `batch` such points), until the best remaining candidate is one already evaluated as feasible, or cannot
     beat the best feasible point of another metric."""
-    top = ev.cube.top
+    cube, top = ev.cube, ev.cube.top
     box = [p for p in itertools.product(*[range(f, t + 1) for f, t in zip(floor, top)])]
     order = sorted(box, key=lambda p: (-ev.estimate(p), p))
-    _first_feasible(ev, metric, [tuple(min(f + t, h) for f, h in zip(floor, top))
-                                 for t in range(max(h - f for f, h in zip(floor, top)) + 1)])
+    ordered = cube.ordered or (True,) * len(top)
+    # One diagonal (over the ordered axes) per value of the unordered ones, walked together.
+    fixed = itertools.product(*[[None] if o else range(f, h + 1) for f, h, o in zip(floor, top, ordered)])
+    span = max([h - f for f, h, o in zip(floor, top, ordered) if o] or [0])
+    _first_feasible(ev, metric, [[tuple(min(f + t, h) if v is None else v for f, h, v in zip(floor, top, fix))
+                                  for t in range(span + 1)] for fix in fixed])
     while True:
         open_ = [p for p in order if ev.feasible(metric, p) is not False]
         if not open_ or (metric, open_[0]) in ev.known:
@@ -258,24 +275,34 @@ def _exhaustive(ev: _Evaluations, metric: str, floor: tuple[int, ...]) -> None:
         ev.run([(metric, p) for p in open_ if (metric, p) not in ev.known][:ev.batch])
 
 
-def _first_feasible(ev: _Evaluations, metric: str, diag: list[tuple]) -> int | None:
-    """Index of the first feasible point of a monotone chain (None if none), evaluating at most `batch`
-    points per round, spread evenly over the undecided stretch."""
-    lo, hi = -1, len(diag)  # diag[lo] infeasible (or before the start), diag[hi] feasible (or past the end)
+def _first_feasible(ev: _Evaluations, metric: str, chains: list[list[tuple]]) -> None:
+    """Locate the first feasible point of each monotone chain (along which the estimated ratio falls), evaluating
+    per round the points spread evenly over the undecided stretches (at most `batch` a round, shared out among the
+    chains that are not settled and could still beat the best feasible point found)."""
+    bounds = [[-1, len(c)] for c in chains]  # c[lo] infeasible (or before the start), c[hi] feasible (or past it)
     while True:
-        for t in range(lo + 1, hi):
-            f = ev.feasible(metric, diag[t])
-            if f is True:
-                hi = t
-                break
-            if f is False:
-                lo = t
-        if hi - lo <= 1:
-            return hi if hi < len(diag) else None
-        gap = hi - lo - 1
-        m = min(ev.batch, gap)
-        picks = sorted({lo + 1 + (j * gap) // m + (gap // m) // 2 for j in range(m)})
-        ev.run([(metric, diag[t]) for t in picks])
+        for b, chain in zip(bounds, chains):
+            for t in range(b[0] + 1, b[1]):
+                f = ev.feasible(metric, chain[t])
+                if f is True:
+                    b[1] = t
+                    break
+                if f is False:
+                    b[0] = t
+        # A chain whose best undecided point (its most aggressive) cannot beat the best feasible point found is
+        # left undecided: its first feasible point would not be chosen.
+        beat = -math.inf if ev.best is None else ev.estimate(ev.best[1])
+        open_ = [(b, c) for b, c in zip(bounds, chains) if b[1] - b[0] > 1 and ev.estimate(c[b[0] + 1]) > beat]
+        if not open_:
+            return
+        share = [ev.batch // len(open_) + (j < ev.batch % len(open_)) for j in range(len(open_))]
+        picks = []
+        for ((lo, hi), chain), m in zip(open_, share):
+            gap = hi - lo - 1
+            m = min(max(m, 1), gap)
+            picks += [(metric, chain[t]) for t in sorted({lo + 1 + (j * gap) // m + (gap // m) // 2
+                                                          for j in range(m)})]
+        ev.run(picks)
 
 
 def search(
@@ -459,7 +486,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     has_grads = any(g is not None for g in gs)
     metrics = tuple(space.prune_metrics) if has_grads else (
         ("magnitude",) if "magnitude" in space.prune_metrics else tuple(space.prune_metrics[:1]))
-    cube = Cube.build(space, "embedding" in layer_types, cfg.quant)
+    cube = Cube.build(space, "embedding" in layer_types, cfg.quant, residual=residual)
     sizes: dict[str, int] = {}
     bits: dict[str, int] = {}
     for i, lt in zip(quant_idx, layer_types):

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import inshrink_jax as ij
-from inshrink_jax import quantize, search
+from inshrink_jax import config, quantize, search
 from inshrink_jax.config import QuantConfig, SearchSpace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -439,3 +439,42 @@ def test_epsilon_is_the_knob_of_a_saves_bytes(tmp_path, run):
         written[eps] = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     assert written[0.001] > written[0.01] > written[0.05]
     assert written[0.05] < 0.7 * written[0.001]
+
+
+RESIDUAL_CUBE = search.Cube.build(config.RESIDUAL_SPACE, True, QuantConfig(), residual=True)
+RESIDUAL_POINTS = list(itertools.product(*[range(len(v)) for v in RESIDUAL_CUBE.values]))
+
+
+@given(st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), st.floats(0.02, 0.6), st.sampled_from([1, 2, 4]))
+def test_the_residual_search_does_not_take_pruning_to_cost_quality(noise, budget, batch):
+    """A closed-loop residual's error falls with more levels but not always with less pruning (a pruned residual
+    is a level at 0): the search infers along the levels only, and finds the best configuration within the budget
+    whatever the pruning does."""
+    # Error: falling with the levels, times a factor per prune fraction in any order.
+    error = {p: 0.6 / RESIDUAL_CUBE.values[0][p[0]] * (0.3 + 2 * noise[p[1]]) for p in RESIDUAL_POINTS}
+    calls = []
+
+    def evaluate(quants):
+        calls.append(list(quants))
+        return [(error[RESIDUAL_CUBE.point(q)], q) for q in quants]
+
+    def est(p):
+        return search.estimated_ratio(RESIDUAL_CUBE.config(p, "magnitude"), {"dense": 1000}, {"dense": 32})
+
+    out = search.search(evaluate, RESIDUAL_CUBE, ["magnitude"], budget, batch, est, None)
+    feasible = [p for p in RESIDUAL_POINTS if error[p] <= budget]
+    if not feasible:
+        assert out.quant is None
+    else:
+        assert RESIDUAL_CUBE.point(out.quant) == max(feasible, key=lambda p: (est(p), -error[p]))
+    evaluated = [q for c in calls for q in c]
+    assert len(evaluated) == len(set(evaluated)) == out.evaluations <= len(RESIDUAL_POINTS)
+
+
+def test_the_residual_cube_orders_quality_along_the_levels_only():
+    top = RESIDUAL_CUBE.top
+    names = RESIDUAL_CUBE.names
+    assert dict(zip(names, RESIDUAL_CUBE.ordered)) == {"bins": True, "prune_fraction": False,
+                                                       "protect_fraction": True, "embedding_bins": True}
+    assert all(search.Cube.build(SearchSpace(), True, QuantConfig()).ordered)
+    assert RESIDUAL_CUBE.below((0, 1, 0, 0), top[:1] + (1, 0, 0)) and not RESIDUAL_CUBE.below((0, 1, 0, 0), top)
