@@ -72,8 +72,10 @@ def _bytes_view(data: bytes | np.ndarray) -> np.ndarray:
     return np.frombuffer(data, np.uint8)
 
 
-def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_LEVEL) -> bytes:
-    """Compress a byte string or the raw bytes of an array with `codec` (see the module docstring)."""
+def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_LEVEL,
+             counts: np.ndarray | None = None) -> bytes:
+    """Compress a byte string or the raw bytes of an array with `codec` (see the module docstring). `counts`:
+    the bytes' histogram (`byte_counts`) when the caller has it, which zstd-rank would otherwise count again."""
     if codec == ZSTD_PLANES:
         arr = np.ascontiguousarray(data)
         buf = arr.reshape(-1).view(np.uint8).reshape(-1, arr.dtype.itemsize).T.copy() if arr.size else b""
@@ -118,12 +120,14 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
     elif codec == ZSTD_RANK:
         arr = _bytes_view(data)
-        alphabet = np.flatnonzero(byte_counts(arr)).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
+        if counts is None:
+            counts = byte_counts(arr)
+        alphabet = np.flatnonzero(counts).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
         if alphabet.size > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
         rank_of = np.zeros(256, np.uint8)
         rank_of[alphabet] = np.arange(alphabet.size, dtype=np.uint8)
-        ranks = np.take(rank_of, arr)  # a table lookup: several times faster than np.searchsorted on bytes
+        ranks = np.take(rank_of, arr)  # a table lookup, not a search per byte
         return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
     elif codec == ZSTD:
         buf = _bytes_view(data)
@@ -134,8 +138,8 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
 
 
 # zstandard's (de)compression contexts, one per thread (an object is not safe to share between threads) and
-# level: making one costs about as much as coding a stream of a few kilobytes (25 us of 60 to compress 8 KiB,
-# 18 us of 28 to decompress it), and a save or restore codes a few streams per leaf.
+# level: making one costs tens of microseconds, about as much as coding a stream of a few kilobytes, and a save or
+# restore codes a few streams per leaf.
 _contexts = threading.local()
 
 
@@ -171,28 +175,29 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = 
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
     counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK} else None
-    packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and (
-        (ZSTD_RADIX in codecs and _can_win(ZSTD_RADIX, counts)) or (ZSTD_RANK in codecs and _can_win(ZSTD_RANK, counts)))
+    packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and any(
+        c in codecs and _can_win(c, counts) for c in (ZSTD_RADIX, ZSTD_RANK))
     for c in codecs:
         if not _can_win(c, counts) or (packs and c == ZSTD):
             continue
-        packed = compress(raw if c != ZSTD_PLANES else data, c, level)
+        packed = compress(raw if c != ZSTD_PLANES else data, c, level, counts)
         if len(packed) < best[2]:
             best = (packed, c, len(packed))
     return (best[0], best[1]) if best[0] is not None else (raw.tobytes(), RAW)
 
 
-# A stream of at least this many values that radix or rank packing can code skips plain zstd, a pass of about
-# 2.5 ns a value: on the code and delta streams of a 440k-parameter transformer's six saves plain zstd won on 12 of
-# 383 streams of 4096 values or more where packing applied, by 2.7% of their bytes (0.1% of the saves'); on large
-# streams its time matters more than that.
+# A stream of at least this many values that radix or rank packing can code skips plain zstd: where packing
+# applies, plain zstd seldom codes a code or delta stream smaller, and then by little, while on a large stream its
+# pass costs as much as the packing's.
 _PACKED_ONLY_SIZE = 1 << 20
 
 
 def byte_counts(raw: np.ndarray) -> np.ndarray:
-    """The histogram of a flat uint8 array (256 int64 counts), as np.bincount(raw, minlength=256) but about 3x
-    faster: np.bincount widens every element to 64 bits, so pairs of bytes are counted as one 16-bit value and
-    the 65536 counts folded onto each byte."""
+    """The histogram of a flat uint8 array (256 int64 counts), as np.bincount(raw, minlength=256) but faster:
+    np.bincount widens every element to 64 bits, so pairs of bytes are counted as one 16-bit value (half the
+    elements to widen) and the 65536 counts folded onto each byte."""
+    if raw.dtype != np.uint8:
+        raise TypeError(f"byte_counts counts uint8 arrays, not {raw.dtype}")
     pairs = raw.size // 2
     if pairs < 1 << 16:
         return np.bincount(raw, minlength=256)

@@ -30,7 +30,7 @@ def _order(prev: np.ndarray) -> np.ndarray:
 
 def _sorted(flat: np.ndarray, b: int) -> np.ndarray:
     """`flat` sorted ascending (= flat[_order(flat)]), as uint16, built from its histogram without a gather."""
-    counts = codec.byte_counts(flat) if flat.dtype == np.uint8 else np.bincount(flat, minlength=b)
+    counts = codec.byte_counts(flat)
     if counts[b:].any():
         raise ValueError(f"code {int(np.flatnonzero(counts)[-1])} is not below the delta modulus {b}")
     return np.repeat(np.arange(b, dtype=np.uint16), counts[:b])

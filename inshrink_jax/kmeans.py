@@ -146,7 +146,8 @@ def weighted_kmeans(
 
 # Points k-means runs on after `compact`: a histogram of 1% buckets has 17,607, of which a tensor fills a few
 # hundred to about two thousand (its values' span in decades times 116 a sign); k-means++'s passes and the restarts'
-# losses then cost a quarter of what they did, which for a state of many small tensors was most of an encode.
+# losses then run on at most a quarter of the points (benchmarks/results/compile_scaling.md: steady saves of a
+# state of many small tensors).
 COMPACT_SLOTS = 4096
 
 

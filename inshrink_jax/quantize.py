@@ -189,9 +189,9 @@ def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_frac
     share the prune threshold. The configuration is traced, not static, so one compiled kernel serves every
     candidate of the configuration search (`uniform`, whether `step` > 0, is static: a search space never mixes
     the two kinds of levels, and only one is compiled; `protects`, whether `protect_fraction` > 0, is static too:
-    without it the per-tensor selection of the largest values, two radix histograms of 32768 and 65536 buckets
-    a tensor, is not compiled, which for a state of many small tensors was half of a residual save's encode; a
-    search space's protect fractions are all positive (keyframes) or all 0 (closed-loop residuals), so each
+    without it the per-tensor selection of the largest values (radix histograms of thousands of buckets a tensor,
+    whatever its size: `threshold.kth_largest`) is not compiled; a search space's protect fractions are all
+    positive (keyframes) or all 0 (closed-loop residuals), so each
     compiles one kernel). A tensor with an offset is encoded as its residual
     x - offset (its prune and protect scores are then those of the change against the offset).
 
@@ -257,8 +257,9 @@ class _Partition(NamedTuple):
 def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fraction, kind: Kind, spec,
                protects: bool) -> _Partition:
     """Protect (the top `protect_fraction` of each tensor by magnitude, or by sensitivity as well, when
-    `protects`; and every non-finite value), prune (the `prune_fraction` least important of the type's other prunable values; none
-    with entropy-constrained levels, which prune by their zero level), and the histograms of the rest."""
+    `protects`; and every non-finite value), prune (the `prune_fraction` least important of the type's other
+    prunable values; none with entropy-constrained levels, which prune by their zero level), and the histograms of
+    the rest."""
     def per_tensor(a):  # every axis but the stacking one
         return tuple(range(1, a.ndim))
 

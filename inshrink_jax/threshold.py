@@ -8,7 +8,7 @@ the high 15 bits finds the bucket holding the k-th largest, and one histogram of
 in that bucket finds the value. Every histogram merges by addition, so scores may be sharded or spread over all
 tensors of a layer type. Scores of few elements in all (`SMALL`) take three histograms of 11, 10 and 10 bits
 instead: one more pass over their elements, but 4,096 buckets instead of 98,304 to clear and sum, which for a
-tensor of a few thousand weights cost ten times its elements.
+tensor of a few thousand weights are more than ten times its elements.
 """
 
 from __future__ import annotations

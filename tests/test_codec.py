@@ -176,8 +176,8 @@ def test_a_large_stream_that_packs_skips_plain_zstd(monkeypatch):
     (a pass that rarely wins there); a smaller one still is, and both round-trip."""
     tried = []
     compress = codec.compress
-    monkeypatch.setattr(codec, "compress", lambda data, c=codec.ZSTD, level=codec.DEFAULT_LEVEL: (
-        tried.append((np.asarray(data).size, c)), compress(data, c, level))[1])
+    monkeypatch.setattr(codec, "compress", lambda data, c=codec.ZSTD, level=codec.DEFAULT_LEVEL, counts=None: (
+        tried.append((np.asarray(data).size, c)), compress(data, c, level, counts))[1])
     rng = np.random.default_rng(0)
     for n, plain in ((codec._PACKED_ONLY_SIZE, False), (codec._PACKED_ONLY_SIZE - 1, True)):
         a = (rng.integers(0, 3, n) * 7).astype(np.uint8)
@@ -197,3 +197,8 @@ def test_a_corrupt_stream_leaves_the_reused_contexts_working():
             codec.decompress(bad, codec.ZSTD, size)
         assert codec.decompress(blob, codec.ZSTD, a.size) == a.tobytes()
         assert codec.compress(a, codec.ZSTD, codec.CODE_LEVEL) == blob
+
+
+def test_byte_counts_refuses_other_dtypes():
+    with pytest.raises(TypeError, match="uint8"):
+        codec.byte_counts(np.zeros(10, np.int64))
