@@ -110,11 +110,6 @@ def protected_storage_dtype(dtype, cfg: CompressionConfig) -> np.dtype:
     return jnp.dtype(cfg.protected_dtype)
 
 
-def _round_count(fraction: jax.Array, n: jax.Array) -> jax.Array:
-    """round(fraction * n), halves up: the number of weights a fraction selects."""
-    return jnp.floor(fraction * n.astype(jnp.float32) + 0.5).astype(jnp.int32)
-
-
 def _scores(x: jax.Array, g: jax.Array | None):
     """float32 magnitude |w| and sensitivity |g * w| (step 1), 0 where not finite, and the finite mask."""
     x32 = x.astype(jnp.float32)
@@ -260,11 +255,8 @@ def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fractio
     `protects`; and every non-finite value), prune (the `prune_fraction` least important of the type's other
     prunable values; none with entropy-constrained levels, which prune by their zero level), and the histograms of
     the rest."""
-    def per_tensor(a):  # every axis but the stacking one
-        return tuple(range(1, a.ndim))
-
-    def top(score, finite, k):
-        return threshold.kth_largest([score], [finite], k).select(score)
+    def top(score, finite):
+        return threshold.kth_largest([score], [finite], fraction=protect_fraction).select(score)
 
     groups = []  # per bucket: the values encoded (x, or the residual x - offset), the gradients or None
     for b in kind.buckets:
@@ -277,10 +269,9 @@ def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fractio
         if not protects:
             protected.append(~finite)
             continue
-        k = _round_count(protect_fraction, jnp.sum(finite.astype(jnp.int32), axis=per_tensor(finite)))
-        p = per_tensor_map(top, mag, finite, k)
+        p = per_tensor_map(top, mag, finite)
         if g is not None:
-            p = p | per_tensor_map(top, sens, finite, k)
+            p = p | per_tensor_map(top, sens, finite)
         protected.append(p | ~finite)
 
     metric = [(jnp.where(use_sensitivity, sens, mag) if g is not None else mag)
@@ -288,8 +279,7 @@ def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fractio
     can_prune = [kind.prunable[b[0]] for b in kind.buckets]
     candidates = [~p & can for p, can in zip(protected, can_prune)]
     if any(can_prune) and not kind.entropy_slots:  # entropy-constrained levels prune by their zero level
-        n = sum(jnp.sum(c.astype(jnp.int32)) for c in candidates)
-        keep, _ = threshold.kth_smallest_complement(metric, candidates, _round_count(prune_fraction, n))
+        keep, _ = threshold.kth_smallest_complement(metric, candidates, fraction=prune_fraction, stacked=True)
         pruned = [c & ~keep.select(m) for c, m in zip(candidates, metric)]
     else:
         pruned = [jnp.zeros_like(p) for p in protected]
@@ -364,17 +354,16 @@ def buckets(*columns: Sequence) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(b) for b in out.values())
 
 
-# A stacked group's scatter passes (histograms, exact thresholds) run vmapped over its tensors below this many
-# elements a tensor, and tensor by tensor (lax.map, one compiled body) from it: XLA's batched scatter on CPU is
-# slower than one scatter per tensor (vmapped, the 100M-parameter save of benchmarks/results/handler.md, four
-# 25M-element tensors, took 3.9-4.0 s; tensor by tensor 2.5 s).
-MAP_MIN_SIZE = 1 << 20
+# A stacked group's scatter passes (histograms, exact thresholds) run vmapped over its tensors below
+# `threshold.MAP_MIN_SIZE` elements a tensor, and tensor by tensor (lax.map, one compiled body) from it: XLA's
+# batched scatter on CPU is slower than one scatter per tensor (vmapped, the 100M-parameter save of
+# benchmarks/results/handler.md, four 25M-element tensors, took 3.9-4.0 s; tensor by tensor 2.5 s).
 
 
 def per_tensor_map(f, *stacked_args):
     """`f` of each tensor of a stacked group (leading axis), stacked: vmapped, or `lax.map` for large tensors
-    (`MAP_MIN_SIZE`). Same results either way."""
-    if stacked_args[0][0].size >= MAP_MIN_SIZE:
+    (`threshold.MAP_MIN_SIZE`). Same results either way."""
+    if stacked_args[0][0].size >= threshold.MAP_MIN_SIZE:
         return jax.lax.map(lambda a: f(*a), stacked_args)
     return jax.vmap(f)(*stacked_args)
 

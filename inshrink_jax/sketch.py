@@ -60,14 +60,15 @@ class SketchSpec:
         pos = np.minimum(pos, np.finfo(np.float32).max)
         return np.concatenate([-pos[::-1], [0.0], pos]).astype(np.float32)
 
-    def _exponent_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        # e * ln2 / ln(gamma) split exactly (in float64) into an integer and a fractional part per frexp
-        # exponent e, so the float32 part of the key computation stays small and keys are exact up to
-        # float32 rounding of values within ~1e-7 of a bucket boundary.
-        e = np.arange(_MIN_NORMAL_EXP, _MAX_EXP + 1, dtype=np.float64)
-        scaled = e * math.log(2.0) / math.log(self.gamma)
-        whole = np.floor(scaled)
-        return whole.astype(np.int32), (scaled - whole).astype(np.float32)
+    def _exponent_split(self) -> tuple[float, float]:
+        """ln 2 / ln gamma as c_hi + c_lo, c_hi with so few significant bits that e * c_hi is exact in float32
+        for every exponent e of a float32 (|e| <= 2^7): e * ln2 / ln gamma is then split exactly into an
+        integer and a fractional part, so the float32 part of the key computation stays small and keys are
+        exact up to float32 rounding of values within ~1e-7 of a bucket boundary."""
+        c = math.log(2.0) / math.log(self.gamma)
+        scale = 2.0 ** (17 - math.ceil(math.log2(c + 1.0)))  # |e| * c_hi * scale < 2^24
+        hi = round(c * scale) / scale
+        return hi, c - hi
 
 
 def bucket_index(x: jax.Array, spec: SketchSpec) -> jax.Array:
@@ -80,12 +81,15 @@ def bucket_index(x: jax.Array, spec: SketchSpec) -> jax.Array:
     # clamped = m * 2^e with m in [0.5, 1): e from the exponent field, m rebuilt with exponent 126.
     e = (bits >> 23) - 126
     m = jax.lax.bitcast_convert_type((bits & 0x7FFFFF) | (126 << 23), jnp.float32)
-    whole, frac = spec._exponent_tables()
-    e_idx = jnp.clip(e - _MIN_NORMAL_EXP, 0, whole.shape[0] - 1)
+    # Arithmetic, not a lookup in per-exponent tables: XLA's CPU backend does not vectorise a gather, and the
+    # key is the costliest part of a histogram pass.
+    c_hi, c_lo = spec._exponent_split()
+    ef = e.astype(jnp.float32)
+    scaled = ef * np.float32(c_hi)  # exact
+    whole = jnp.floor(scaled)
     inv_log_gamma = np.float32(1.0 / math.log(spec.gamma))
-    key = jnp.asarray(whole)[e_idx] + jnp.ceil(jnp.asarray(frac)[e_idx] + jnp.log(m) * inv_log_gamma).astype(
-        jnp.int32
-    )
+    key = whole.astype(jnp.int32) + jnp.ceil((scaled - whole) + ef * np.float32(c_lo) +
+                                             jnp.log(m) * inv_log_gamma).astype(jnp.int32)
     offset = jnp.clip(key - spec.min_key, 0, spec.num_keys - 1) + 1
     idx = jnp.where(x > 0, spec.zero_index + offset, spec.zero_index - offset)
     idx = jnp.where(x == 0, spec.zero_index, idx)
@@ -97,5 +101,8 @@ def histogram(x: jax.Array, spec: SketchSpec, mask: jax.Array | None = None) -> 
 
     Works on sharded `x` inside jit: each shard scatters into a replicated histogram, then one all-reduce.
     """
+    # Elements not counted get an index past the end, which the scatter drops: cheaper than adding a 0 or 1
+    # for every element.
     keep = jnp.isfinite(x) if mask is None else (mask & jnp.isfinite(x))
-    return jnp.zeros(spec.num_buckets, jnp.int32).at[bucket_index(x, spec)].add(keep.astype(jnp.int32))
+    index = jnp.where(keep, bucket_index(x, spec), spec.num_buckets)
+    return jnp.zeros(spec.num_buckets, jnp.int32).at[index].add(1, mode="drop")

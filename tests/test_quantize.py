@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inshrink_jax import CompressionConfig, QuantConfig, quantize
+from inshrink_jax import CompressionConfig, QuantConfig, quantize, threshold
 
 CFG = CompressionConfig()
 
@@ -115,13 +115,13 @@ def test_sharded_encode_is_bit_identical_to_single_device():
 
 
 def test_large_tensors_encode_tensor_by_tensor_with_the_same_result(monkeypatch):
-    """Stacked tensors at or above MAP_MIN_SIZE run their scatter passes one tensor at a time (lax.map), below it
-    vmapped: the same codes, levels and protected values either way."""
+    """Stacked tensors at or above threshold.MAP_MIN_SIZE run their scatter passes one tensor at a time (lax.map),
+    below it vmapped: the same codes, levels and protected values either way."""
     xs = [jnp.asarray(weights((64, 48), 20 + i)) for i in range(3)]
     gs = [jnp.asarray(np.random.default_rng(30 + i).normal(size=(64, 48)).astype(np.float32)) for i in range(3)]
     qc = QuantConfig(bins=5, step=1.0, prune_fraction=0.2, protect_fraction=0.01, prune_metric="sensitivity")
     vmapped = quantize.encode_tensors(xs, gs, ["dense"] * 3, qc, CFG)
-    monkeypatch.setattr(quantize, "MAP_MIN_SIZE", 64 * 48)
+    monkeypatch.setattr(threshold, "MAP_MIN_SIZE", 64 * 48)
     jax.clear_caches()  # the encoder is traced again, with the new size
     mapped = quantize.encode_tensors(xs, gs, ["dense"] * 3, qc, CFG)
     for a, b in zip(vmapped, mapped):

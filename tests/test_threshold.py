@@ -80,3 +80,38 @@ def test_every_split_of_the_bits_finds_the_same_threshold(digits, with_ties, mon
     for k in (0, 1, 7, 1500, 2999, 3000, 5000):
         got = np.asarray(threshold.kth_largest([jnp.asarray(s)], [jnp.ones(n, bool)], k).select(jnp.asarray(s)))
         np.testing.assert_array_equal(got, expected_top(s, k))
+
+
+def test_a_fraction_selects_that_fraction_of_the_masked_elements_rounded_half_up():
+    """`fraction` counts the masked elements off the first histogram pass: 50% of 1001 masked scores is 501 (500.5
+    rounds up), out of 2000; the complement prunes the same count; giving both k and fraction is an error."""
+    rng = np.random.default_rng(5)
+    s = np.abs(rng.normal(size=2000)).astype(np.float32)
+    m = np.zeros(2000, bool)
+    m[rng.permutation(2000)[:1001]] = True
+    t = threshold.kth_largest([jnp.asarray(s)], [jnp.asarray(m)], fraction=0.5)
+    chosen = np.asarray(t.select(jnp.asarray(s))) & m
+    assert chosen.sum() == 501 and s[chosen].min() > s[m & ~chosen].max()
+    keep, n = threshold.kth_smallest_complement([jnp.asarray(s)], [jnp.asarray(m)], fraction=0.25)
+    assert int(n) == 1001 and (m & ~np.asarray(keep.select(jnp.asarray(s)))).sum() == 250  # round(250.25)
+    for fraction, want in ((0.0, 0), (1.0, 1001)):
+        sel = np.asarray(threshold.kth_largest([jnp.asarray(s)], [jnp.asarray(m)], fraction=fraction).select(
+            jnp.asarray(s))) & m
+        assert sel.sum() == want
+    with pytest.raises(TypeError, match="either k or fraction"):
+        threshold.kth_largest([jnp.asarray(s)], [jnp.asarray(m)], 3, fraction=0.5)
+
+
+def test_stacked_tensors_counted_one_at_a_time_find_the_same_threshold(monkeypatch):
+    """`stacked`: tensors of MAP_MIN_SIZE elements or more on a leading axis are counted one by one (lax.map) and
+    their counts added; the threshold is the one over all of them at once, negative zeros counted as 0."""
+    rng = np.random.default_rng(6)
+    s = np.abs(rng.standard_t(2, size=(3, 40, 50))).astype(np.float32)
+    s[0, 0, :5] = -0.0
+    m = rng.random(s.shape) < 0.9
+    whole = threshold.kth_smallest_complement([jnp.asarray(s)], [jnp.asarray(m)], fraction=0.3)
+    monkeypatch.setattr(threshold, "MAP_MIN_SIZE", 40 * 50)
+    mapped = threshold.kth_smallest_complement([jnp.asarray(s)], [jnp.asarray(m)], fraction=0.3, stacked=True)
+    assert float(whole[0].value) == float(mapped[0].value) and int(whole[1]) == int(mapped[1]) == m.sum()
+    pruned = m & ~np.asarray(mapped[0].select(jnp.asarray(s)))
+    assert pruned.sum() == round(0.3 * m.sum()) and pruned[0, 0, :5].sum() == m[0, 0, :5].sum()
