@@ -267,6 +267,9 @@ def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
             last = dict(step=step, blocking=t_block, eval_loss=float(curve_fn(state)))
         if pending and step == pending[0]:
             pending.pop(0)
+            # The steps dispatched so far finish first (not timed): JAX runs ahead of the loop, and a restore's or
+            # a save's device work queued behind them would otherwise be charged with their training time.
+            jax.block_until_ready((state, ema))
             t = time.perf_counter()
             mngr.close()  # the process dies: nothing of it survives but the checkpoint directory
             at_failures += time.perf_counter() - t  # a save still in flight is finished (a real crash loses it)
