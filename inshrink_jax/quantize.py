@@ -279,8 +279,12 @@ def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fractio
     can_prune = [kind.prunable[b[0]] for b in kind.buckets]
     candidates = [~p & can for p, can in zip(protected, can_prune)]
     if any(can_prune) and not kind.entropy_slots:  # entropy-constrained levels prune by their zero level
-        keep, _ = threshold.kth_smallest_complement(metric, candidates, fraction=prune_fraction, stacked=True)
-        pruned = [c & ~keep.select(m) for c, m in zip(candidates, metric)]
+        def prune(_):
+            keep, _ = threshold.kth_smallest_complement(metric, candidates, fraction=prune_fraction, stacked=True)
+            return [c & ~keep.select(m) for c, m in zip(candidates, metric)]
+
+        # A configuration without pruning skips the threshold's passes at run time (one kernel serves both).
+        pruned = jax.lax.cond(prune_fraction > 0, prune, lambda _: [jnp.zeros_like(c) for c in candidates], None)
     else:
         pruned = [jnp.zeros_like(p) for p in protected]
 

@@ -43,6 +43,20 @@ def test_partition_fractions_are_exact():
         assert pruned[kind] == int(np.floor(0.3 * prunable[kind] + 0.5))
 
 
+def test_no_pruning_skips_the_prune_threshold_in_the_same_kernel():
+    """prune_fraction 0 prunes nothing (the prune threshold's passes are skipped at run time), a positive fraction
+    prunes exactly that fraction of the unprotected weights, and one compiled encoder serves both."""
+    xs = [jnp.asarray(weights((48, 40), 40 + i)) for i in range(2)]
+    before = quantize._encode._cache_size()
+    none = quantize.encode_tensors(xs, [None, None], ["dense"] * 2, QuantConfig(bins=6, protect_fraction=0.01), CFG)
+    some = quantize.encode_tensors(xs, [None, None], ["dense"] * 2,
+                                   QuantConfig(bins=6, prune_fraction=0.3, protect_fraction=0.01), CFG)
+    assert quantize._encode._cache_size() - before <= 1
+    assert not any(np.any(e.codes == quantize.PRUNED) for e in none)
+    free = sum(int(np.sum(e.codes != 7)) for e in some)  # code 7: protected (6 bins)
+    assert sum(int(np.sum(e.codes == quantize.PRUNED)) for e in some) == int(np.floor(0.3 * free + 0.5))
+
+
 def test_magnitude_prune_metric_and_no_grads():
     x = weights((128, 128), 3)
     qc = QuantConfig(bins=4, prune_fraction=0.5, protect_fraction=0.005)
