@@ -39,6 +39,7 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -295,6 +296,26 @@ def _decompress_packed(blob: bytes, size: int) -> bytes:
 
 
 def _decompress_radix(blob: bytes, size: int) -> bytes:
+    return _digits(*_radix_packed(blob, size), size).tobytes()
+
+
+def _digits(packed: np.ndarray, base: int, size: int) -> np.ndarray:
+    """The first `size` digits (base `base`, least significant first) of checked packed bytes."""
+    # Digit by digit with vectorised integer division: faster than a table lookup per packed byte (NumPy's
+    # take with a uint8 index), except where each digit then takes a value of its own (`_unpack`).
+    per = _radix_digits(base)
+    digits = np.empty((packed.size, per), np.uint8)
+    rest, b = packed, np.uint8(base)
+    for j in range(per):
+        q = rest // b
+        digits[:, j] = rest - q * b
+        rest = q
+    return digits.reshape(-1)[:size]
+
+
+def _radix_packed(blob: bytes, size: int) -> tuple[np.ndarray, int]:
+    """The packed bytes of a "zstd-radix" stream of `size` values, checked (each is `_radix_digits(base)` digits
+    in its base), and the base."""
     if len(blob) < 9 or not 2 <= blob[0] <= _RADIX_MAX:
         raise CodecError("zstd-radix stream has no valid base byte and count")
     base, count = blob[0], int(np.frombuffer(blob[1:9], "<u8")[0])
@@ -307,15 +328,37 @@ def _decompress_radix(blob: bytes, size: int) -> bytes:
         raise CodecError(f"zstd-radix stream holds {packed.size} bytes, expected {nbytes} for {size} values")
     if packed.size and int(packed.max()) >= base ** per:
         raise CodecError(f"zstd-radix byte {int(packed.max())} is not {per} digits in base {base}")
-    # Digit by digit with vectorised integer division: several times faster than gathering each byte's digits
-    # from a 256-entry table (NumPy's fancy indexing of a uint8 index).
-    digits = np.empty((packed.size, per), np.uint8)
-    rest, b = packed, np.uint8(base)
+    return packed, base
+
+
+def _unpack(packed: np.ndarray, base: int, size: int, alphabet: bytes) -> np.ndarray:
+    """`_digits` of checked packed bytes, each replaced by alphabet[digit]: one table lookup per packed byte that
+    yields all its values at once (a 2-, 4- or 8-byte integer), instead of a division per digit and a lookup per
+    value (10M values of 16 levels: 1.3 against 3.1 ns a value to decompress)."""
+    table, width = _digit_table(base, alphabet)
+    wide = np.take(table, packed).view(np.uint8)  # the table's little-endian bytes: the digits in order
+    per = _radix_digits(base)
+    if width != per:
+        wide = wide.reshape(-1, width)[:, :per]
+    return wide.reshape(-1)[:size]
+
+
+@functools.lru_cache(maxsize=256)
+def _digit_table(base: int, alphabet: bytes) -> tuple[np.ndarray, int]:
+    """(table, width): for each byte b < base ** per (per = `_radix_digits(base)`), its per digits in base `base`,
+    least significant first, each replaced by alphabet[digit], as the bytes of one little-endian integer of
+    `width` bytes (2, 4 or 8, the fewest that hold per); the bytes past base ** per (refused before any lookup)
+    map to 0."""
+    per = _radix_digits(base)
+    width = next(w for w in (2, 4, 8) if w >= per)
+    values = np.frombuffer(alphabet, np.uint8)
+    rows = np.zeros((256, width), np.uint8)
+    b = np.arange(base ** per)
     for j in range(per):
-        q = rest // b
-        digits[:, j] = rest - q * b
-        rest = q
-    return digits.reshape(-1)[:size].tobytes()
+        rows[:b.size, j] = values[(b // base ** j) % base]
+    table = rows.reshape(-1).view(f"<u{width}")
+    table.flags.writeable = False
+    return table, width
 
 
 def _decompress_rank(blob: bytes, size: int) -> bytes:
@@ -325,7 +368,10 @@ def _decompress_rank(blob: bytes, size: int) -> bytes:
     alphabet = np.frombuffer(blob[1:1 + k], np.uint8)
     if k > 1 and not np.all(alphabet[1:] > alphabet[:-1]):
         raise CodecError("zstd-rank alphabet is not strictly ascending")
-    ranks = np.frombuffer(_decompress_radix(blob[1 + k:], size), np.uint8)
+    packed, base = _radix_packed(blob[1 + k:], size)
+    if base == k:  # every digit is below k: a rank (what the encoder writes for k >= 2)
+        return _unpack(packed, base, size, alphabet.tobytes()).tobytes()
+    ranks = _digits(packed, base, size)
     if ranks.size and int(ranks.max()) >= k:
         raise CodecError(f"zstd-rank stream holds rank {int(ranks.max())} of an alphabet of {k}")
     return alphabet[ranks].tobytes()
