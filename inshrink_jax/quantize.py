@@ -536,12 +536,17 @@ def encode_on_device(
     return out  # type: ignore[return-value]
 
 
-@jax.jit
 def unstack(a: jax.Array) -> list[jax.Array]:
-    """The arrays stacked on `a`'s leading axis, one output each: compiled once per shape, count, dtype and
-    sharding, so every encoder whose outputs are stacks of those shares the kernel (the keyframe's and the
-    residuals' weights, the second moments' codes)."""
-    return [a[j] for j in range(a.shape[0])]
+    """The arrays stacked on `a`'s leading axis, one per call of a kernel that takes one of them at a traced
+    index: compiled once per stack shape, dtype and sharding, whatever the number of tensors (a kernel with one
+    output per tensor compiles one copy per output on XLA's CPU backend: 13 s at 24 layers,
+    benchmarks/results/compile_scaling.md), at a few microseconds of dispatch per tensor."""
+    return [_take(a, np.int32(j)) for j in range(a.shape[0])]
+
+
+@jax.jit
+def _take(a: jax.Array, j) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(a, j, keepdims=False)
 
 
 def _devices(x) -> set:
