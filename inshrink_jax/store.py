@@ -34,6 +34,7 @@ import json
 import math
 import re
 import threading
+import time
 import warnings
 import zlib
 from typing import Any
@@ -116,13 +117,22 @@ def describe(directory) -> str:
     return f"checkpoint ({directory})" if item == STANDALONE else f"step {step}, item {item!r} ({directory})"
 
 
+# How long a reader that finds a file missing watches its item directory before it calls the step damaged:
+# retention and mngr.delete remove a step file by file (rmtree), so a reader can find a file gone while the
+# directory is still there for a moment.
+DELETION_GRACE_SECONDS = 2.0
+
+
 def _missing(directory, what: str) -> CheckpointCorruptError:
-    """The error for a file that is not there: a step deleted while it was read (retention, `mngr.delete`) is
-    told apart from a damaged one."""
-    if not epath.Path(directory).is_dir():
-        return CheckpointCorruptError(f"{describe(directory)} was deleted while it was being read (retention or "
-                                      f"mngr.delete): {what} is gone. Restore a step that is still listed.")
-    return CheckpointCorruptError(f"{describe(directory)}: {what} is missing")
+    """The error for a file that is not there: a step deleted while it was read (retention, `mngr.delete`: its
+    directory is gone, or goes within `DELETION_GRACE_SECONDS`) is told apart from a damaged one."""
+    deadline = time.monotonic() + DELETION_GRACE_SECONDS
+    while epath.Path(directory).is_dir():
+        if time.monotonic() >= deadline:
+            return CheckpointCorruptError(f"{describe(directory)}: {what} is missing")
+        time.sleep(0.05)
+    return CheckpointCorruptError(f"{describe(directory)} was deleted while it was being read (retention or "
+                                  f"mngr.delete): {what} is gone. Restore a step that is still listed.")
 
 
 def objects_dir(root, item: str) -> epath.Path:

@@ -3,6 +3,7 @@ returns exactly the saved state of that step or fails because the step is gone (
 Orbax's own errors, when the step directory vanishes before the handler runs, vary); never other values."""
 
 import os
+import shutil
 import sys
 import threading
 import time
@@ -125,3 +126,21 @@ def test_collectors_racing_with_saves_lose_nothing(tmp_path):
         assert int(r["step"]) == s and float(r["params"]["bias"][0]) == s
     from inshrink_jax import cli
     assert cli.main(["verify", root]) == 0
+
+
+def test_a_file_missing_from_a_step_being_deleted_is_named_as_a_deletion(tmp_path, monkeypatch):
+    """Retention deletes a step file by file: a reader that finds one gone while the directory is still there
+    waits for the directory to go (then: deleted while read) and, if it stays, calls the step damaged."""
+    item = tmp_path / "ckpt" / "7" / "default"
+    item.mkdir(parents=True)
+    (item / "manifest.json").write_text("{}")
+    remover = threading.Timer(0.3, lambda: shutil.rmtree(tmp_path / "ckpt" / "7"))
+    remover.start()
+    err = store._missing(item, "commit record commit.json")
+    remover.join()
+    assert "step 7, item 'default'" in str(err) and "was deleted while it was being read" in str(err)
+    item.mkdir(parents=True)
+    monkeypatch.setattr(store, "DELETION_GRACE_SECONDS", 0.2)
+    t0 = time.monotonic()
+    err = store._missing(item, "commit record commit.json")
+    assert str(err).endswith("commit record commit.json is missing") and time.monotonic() - t0 >= 0.2
