@@ -334,7 +334,7 @@ def _radix_packed(blob: bytes, size: int) -> tuple[np.ndarray, int]:
 def _unpack(packed: np.ndarray, base: int, size: int, alphabet: bytes) -> np.ndarray:
     """`_digits` of checked packed bytes, each replaced by alphabet[digit]: one table lookup per packed byte that
     yields all its values at once (a 2-, 4- or 8-byte integer), instead of a division per digit and a lookup per
-    value (10M values of 16 levels: 1.3 against 3.1 ns a value to decompress)."""
+    value (NumPy's lookup of one value per byte costs more than the whole table lookup)."""
     table, width = _digit_table(base, alphabet)
     wide = np.take(table, packed).view(np.uint8)  # the table's little-endian bytes: the digits in order
     per = _radix_digits(base)

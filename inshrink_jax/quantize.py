@@ -539,8 +539,8 @@ def encode_on_device(
 def unstack(a: jax.Array) -> list[jax.Array]:
     """The arrays stacked on `a`'s leading axis, one per call of a kernel that takes one of them at a traced
     index: compiled once per stack shape, dtype and sharding, whatever the number of tensors (a kernel with one
-    output per tensor compiles one copy per output on XLA's CPU backend: 13 s at 24 layers,
-    benchmarks/results/compile_scaling.md), at a few microseconds of dispatch per tensor."""
+    output per tensor compiles one copy per output on XLA's CPU backend; benchmarks/results/compile_scaling.md
+    measures the first saves' compile time), at one dispatch per tensor."""
     return [_take(a, np.int32(j)) for j in range(a.shape[0])]
 
 

@@ -64,7 +64,7 @@ class Cube:
     # axis of a closed-loop residual: a pruned residual keeps the previous reconstruction, a level at 0 the
     # others do not have, so pruning half of a residual quantized to 4 levels often has less error than pruning
     # none (benchmarks/results/residual_search.md).
-    ordered: tuple[bool, ...] = ()
+    ordered: tuple[bool, ...]
 
     @classmethod
     def build(cls, space: SearchSpace, has_embedding: bool, base: QuantConfig, residual: bool = False) -> "Cube":
@@ -89,7 +89,7 @@ class Cube:
     def below(self, p: Sequence[int], q: Sequence[int]) -> bool:
         """Whether `p` is at most as good as `q` wherever quality is ordered (no less aggressive on any ordered
         axis) and equal on the others: p feasible implies q feasible, q infeasible implies p infeasible."""
-        return all(a <= b if o else a == b for a, b, o in zip(p, q, self.ordered or (True,) * len(p)))
+        return all(a <= b if o else a == b for a, b, o in zip(p, q, self.ordered))
 
     @property
     def top(self) -> tuple[int, ...]:
@@ -260,10 +260,9 @@ def _exhaustive(ev: _Evaluations, metric: str, floor: tuple[int, ...]) -> None:
     cube, top = ev.cube, ev.cube.top
     box = [p for p in itertools.product(*[range(f, t + 1) for f, t in zip(floor, top)])]
     order = sorted(box, key=lambda p: (-ev.estimate(p), p))
-    ordered = cube.ordered or (True,) * len(top)
     # One diagonal (over the ordered axes) per value of the unordered ones, walked together.
-    fixed = itertools.product(*[[None] if o else range(f, h + 1) for f, h, o in zip(floor, top, ordered)])
-    span = max([h - f for f, h, o in zip(floor, top, ordered) if o] or [0])
+    fixed = itertools.product(*[[None] if o else range(f, h + 1) for f, h, o in zip(floor, top, cube.ordered)])
+    span = max([h - f for f, h, o in zip(floor, top, cube.ordered) if o] or [0])
     _first_feasible(ev, metric, [[tuple(min(f + t, h) if v is None else v for f, h, v in zip(floor, top, fix))
                                   for t in range(span + 1)] for fix in fixed])
     while True:
@@ -295,11 +294,13 @@ def _first_feasible(ev: _Evaluations, metric: str, chains: list[list[tuple]]) ->
         open_ = [(b, c) for b, c in zip(bounds, chains) if b[1] - b[0] > 1 and ev.estimate(c[b[0] + 1]) > beat]
         if not open_:
             return
+        # More open chains than `batch`: this round takes the `batch` whose best undecided point is best.
+        open_ = sorted(open_, key=lambda bc: -ev.estimate(bc[1][bc[0][0] + 1]))[:ev.batch]
         share = [ev.batch // len(open_) + (j < ev.batch % len(open_)) for j in range(len(open_))]
         picks = []
         for ((lo, hi), chain), m in zip(open_, share):
             gap = hi - lo - 1
-            m = min(max(m, 1), gap)
+            m = min(m, gap)
             picks += [(metric, chain[t]) for t in sorted({lo + 1 + (j * gap) // m + (gap // m) // 2
                                                           for j in range(m)})]
         ev.run(picks)
