@@ -201,13 +201,18 @@ class CompressionConfig:
         `search_space`.
       residual_budget: a closed-loop residual save takes the most compressive configuration of
         `residual_space` whose squared error is at most this fraction of the residual's
-        (`search.proxy_degradation` against the previous reconstruction, every element weighted alike: a
-        gradient EMA is small where gradients are noisy, which Adam moves as much as any other weight). The error a save leaves is carried
+        (`search.proxy_degradation` against the previous reconstruction, weighted by `weighted_residuals`, not by
+        the gradient EMA: that is small where gradients are noisy, which Adam moves as much as any other weight).
+        The error a save leaves is carried
         into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
         interval's change of the weights: the knob of the residual saves' size (smaller: more levels or less
         pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
         the least aggressive one is taken: a residual save is never lossless. In [0, 1]; None (the default):
         `RESIDUAL_PER_EPSILON` (20) times `epsilon`, at most 1 (0.2 at the default epsilon).
+      weighted_residuals: a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
+        moment of its shape in the state (Adam's `nu`) is coded as r / M with M about nu^(-1/4), stored as one
+        small integer per index of each axis (weighting.py), and `residual_budget` bounds its squared error
+        weighted by 1 / M^2: the error goes where the loss is flat. False: every element weighted alike.
       search: pick the configuration at every save under the quality budget `epsilon` (ALGORITHM.md step 5,
         docs/how-it-works.md); False saves every checkpoint with `quant`.
       search_space: the values the search may pick.
@@ -264,6 +269,7 @@ class CompressionConfig:
     closed_loop: bool = True
     residual_space: SearchSpace = RESIDUAL_SPACE
     residual_budget: float | None = None
+    weighted_residuals: bool = True
     search: bool = True
     search_space: SearchSpace = SearchSpace()
     higher_is_better: bool = False
@@ -324,7 +330,7 @@ class CompressionConfig:
                              ("keyframe_every", 1, None), ("search_batch", 1, None),
                              ("seed", None, None)):
             _integer(name, getattr(self, name), lo, hi)
-        for name in ("search", "higher_is_better", "closed_loop"):
+        for name in ("search", "higher_is_better", "closed_loop", "weighted_residuals"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"CompressionConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.protected_dtype not in PROTECTED_DTYPES:

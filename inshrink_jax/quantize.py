@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inshrink_jax import kmeans, sketch, threshold
+from inshrink_jax import kmeans, sketch, threshold, weighting
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 PRUNED = 0
@@ -177,7 +177,7 @@ class Kind(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
                                              "protects"))
-def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
+def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
             kinds, spec, sigma, iters, tol, restarts, uniform, protects):
     """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor:
     `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`); the tensors of one type
@@ -188,7 +188,8 @@ def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_frac
     whatever its size: `threshold.kth_largest`) is not compiled; a search space's protect fractions are all
     positive (keyframes) or all 0 (closed-loop residuals), so each
     compiles one kernel). A tensor with an offset is encoded as its residual
-    x - offset (its prune and protect scores are then those of the change against the offset).
+    x - offset (its prune and protect scores are then those of the change against the offset); with `factors`
+    as well (weighting.py), as the weighted residual (x - offset) / M.
 
     One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (two with
     embedding tables, which have a bin count of their own), so its iteration overhead is paid once and XLA
@@ -206,7 +207,7 @@ def _encode(xs, gs, offsets, bins, use_sensitivity, protect_fraction, prune_frac
     times the mean square of the type's quantized values (one slope for every tensor of the type: the bits go
     where they remove the most squared error); each value takes the level of least squared error plus that
     weight times the level's code length (`kmeans.entropy_constrained`)."""
-    parts = [_partition(xs[t], gs[t], offsets[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec,
+    parts = [_partition(xs[t], gs[t], offsets[t], factors[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec,
                         protects) for t, kind in enumerate(kinds)]
     keys = [jax.random.split(keys[t], len(xs[t]))[np.asarray(part.order)] for t, part in enumerate(parts)]
     fitted = {}
@@ -249,7 +250,7 @@ class _Partition(NamedTuple):
     order: list[int]
 
 
-def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fraction, kind: Kind, spec,
+def _partition(xs, gs, offsets, factors, use_sensitivity, protect_fraction, prune_fraction, kind: Kind, spec,
                protects: bool) -> _Partition:
     """Protect (the top `protect_fraction` of each tensor by magnitude, or by sensitivity as well, when
     `protects`; and every non-finite value), prune (the `prune_fraction` least important of the type's other
@@ -262,7 +263,11 @@ def _partition(xs, gs, offsets, use_sensitivity, protect_fraction, prune_fractio
     for b in kind.buckets:
         x = stacked([xs[i] for i in b])
         off = None if offsets[b[0]] is None else stacked([offsets[i] for i in b])
-        groups.append((x if off is None else residual(x, off), None if gs[b[0]] is None else stacked([gs[i] for i in b])))
+        value = x if off is None else residual(x, off)
+        if factors[b[0]] is not None:  # a weighted residual: (x - offset) / M, exactly (M is a power of two)
+            fs = [stacked([factors[i][d] for i in b]) for d in range(x.ndim - 1)]
+            value = weighting.times_multiplier(value, -weighting.exponents(fs))
+        groups.append((value, None if gs[b[0]] is None else stacked([gs[i] for i in b])))
     scored = [_scores(x, g) for x, g in groups]
     protected = []
     for (x32, finite, mag, sens), (_, g) in zip(scored, groups):
@@ -404,21 +409,23 @@ def uniform_cell(x, width, bins):
     return (jnp.clip(jnp.round(x / width), -m, bins - 1 - m) + m).astype(jnp.int32)
 
 
-def _dequantize_one(codes, centres, protected_in_place, bins, offset, scale, dtype):
+def _dequantize_one(codes, centres, protected_in_place, bins, offset, scale, factors, dtype):
     work = dtype if offset is None and scale is None else jnp.float32
     table = jnp.concatenate([jnp.zeros((1,), centres.dtype), centres, jnp.zeros((1,), centres.dtype)])
     values = table[jnp.minimum(codes, centres.shape[0] + 1)]
     exact = codes == bins.astype(jnp.int32) + 1
     r = jnp.where(exact, protected_in_place.astype(work), values.astype(work))
+    if factors is not None:
+        r = weighting.times_multiplier(r, weighting.exponents(factors))
     if scale is not None:
         return times_scale(r, exact, scale, dtype)
     return r if offset is None else plus_offset(r, offset, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dtypes",))
-def _dequantize(codes, centres, protected_in_place, bins, offsets, scales, *, dtypes):
+def _dequantize(codes, centres, protected_in_place, bins, offsets, scales, factors, *, dtypes):
     return [_dequantize_one(*args, dtype)
-            for *args, dtype in zip(codes, centres, protected_in_place, bins, offsets, scales, dtypes)]
+            for *args, dtype in zip(codes, centres, protected_in_place, bins, offsets, scales, factors, dtypes)]
 
 
 def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.Array]:
@@ -428,7 +435,8 @@ def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.
         return []
     return _dequantize([d.codes for d in devs], [d.centres for d in devs], [d.protected_in_place for d in devs],
                        [d.bins if isinstance(d.bins, jax.Array) else np.int32(d.bins) for d in devs],
-                       [d.offset for d in devs], [d.scale for d in devs], dtypes=tuple(jnp.dtype(t) for t in dtypes))
+                       [d.offset for d in devs], [d.scale for d in devs], [d.factors for d in devs],
+                       dtypes=tuple(jnp.dtype(t) for t in dtypes))
 
 
 def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:
@@ -441,8 +449,9 @@ class DeviceCodes(NamedTuple):
     centres: codes, centres (the first `bins` of its slots are used), and the protected values in place
     (storage dtype, 0 where not protected); `offset` is what the codes encode the change against (None: the
     tensor itself is encoded); `scale`, the decoded second moment whose square root the levels are relative to
-    (a first moment: moments.encode_first_on_device), else None. `bins` is an int, or a device scalar where
-    the encoder chose it on the device (`int(bins)` waits for it)."""
+    (a first moment: moments.encode_first_on_device), else None; `factors`, a weighted residual's per-axis
+    factors (weighting.py: the levels are of (x - offset) / M), else None. `bins` is an int, or a device scalar
+    where the encoder chose it on the device (`int(bins)` waits for it)."""
 
     codes: jax.Array
     centres: jax.Array
@@ -450,6 +459,7 @@ class DeviceCodes(NamedTuple):
     bins: int | jax.Array
     offset: jax.Array | None = None
     scale: jax.Array | None = None
+    factors: tuple | None = None
 
     def dequantize(self, dtype) -> jax.Array:
         """What a restore gives back, computed on the device(s) with the codes' sharding: pruned -> 0,
@@ -472,6 +482,7 @@ def encode_on_device(
     key: jax.Array | None = None,
     offsets: Sequence[jax.Array | None] | None = None,
     sigma: float | None = None,
+    factors: Sequence[tuple | None] | None = None,
 ) -> list[DeviceCodes]:
     """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
     compiled once per state structure and kind of levels (k-means or uniform), whatever else `quant` is (its
@@ -488,14 +499,21 @@ def encode_on_device(
       offsets: per tensor, None or an array of its shape and sharding (a base checkpoint's restored weight):
         the tensor is then encoded as its residual x - offset, and decodes to offset + the decoded residual.
       sigma: the k-means bucket weight, default `cfg.sigma` (`RESIDUAL_SIGMA` for closed-loop residuals).
+      factors: per tensor, None or (for a tensor with an offset) its weighting factors (`weighting.factors`):
+        the tensor is then encoded as its weighted residual (x - offset) / M and decodes to offset + M times the
+        decoded value.
 
     Returns:
       One `DeviceCodes` per input, in order. Nothing is waited for: the work is dispatched, and the results
       are futures until read; nothing reads `xs` after this returns.
     """
     offsets = [None] * len(xs) if offsets is None else list(offsets)
-    if not (len(xs) == len(gs) == len(layer_types) == len(offsets)):
-        raise ValueError("encode needs one gradient (or None), one layer type and one offset (or None) per tensor")
+    factors = [None] * len(xs) if factors is None else list(factors)
+    if not (len(xs) == len(gs) == len(layer_types) == len(offsets) == len(factors)):
+        raise ValueError("encode needs one gradient (or None), one layer type, one offset (or None) and one set "
+                         "of weighting factors (or None) per tensor")
+    if any(f is not None and offsets[i] is None for i, f in enumerate(factors)):
+        raise ValueError("weighting factors apply to residuals only: a weighted tensor needs an offset")
     spec = sketch.SketchSpec(cfg.alpha)
     types = sorted(set(layer_types))
     idx = [[i for i, lt in enumerate(layer_types) if lt == kind] for kind in types]
@@ -507,10 +525,11 @@ def encode_on_device(
         if b > capacity:
             raise ValueError(f"{b} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
         gxs, ggs, goffs = [xs[i] for i in ix], [gs[i] for i in ix], [offsets[i] for i in ix]
+        weighted = [factors[i] is not None for i in ix]
         prunable = tuple(xs[i].ndim >= 2 for i in ix)
         out_dtypes = tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
                            for i in ix)
-        kinds.append(Kind(buckets(gxs, ggs, goffs, prunable, out_dtypes), prunable, out_dtypes, capacity,
+        kinds.append(Kind(buckets(gxs, ggs, goffs, weighted, prunable, out_dtypes), prunable, out_dtypes, capacity,
                           b if quant.rate > 0 else 0, kind == "embedding"))
         bins.append(b)
     # One call for the layer types whose tensors are on the same devices (a jitted call takes arrays of one
@@ -522,7 +541,8 @@ def encode_on_device(
     for ts in units.values():
         results = _encode(
             [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
-            [[offsets[i] for i in idx[t]] for t in ts], [np.int32(bins[t]) for t in ts],
+            [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
+            [np.int32(bins[t]) for t in ts],
             np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
             np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
             [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
@@ -532,7 +552,8 @@ def encode_on_device(
         for t, per_bucket in zip(ts, results):
             for b, stacks in zip(kinds[t].buckets, per_bucket):
                 for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
-                    out[idx[t][b[j]]] = DeviceCodes(c, cen, v, bins[t], offsets[idx[t][b[j]]])
+                    i = idx[t][b[j]]
+                    out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i], factors=factors[i])
     return out  # type: ignore[return-value]
 
 
@@ -640,12 +661,16 @@ def _chain_start(codes, table):
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
-def _chain_group(a, codes, tables, used, *, dtype):
+def _chain_group(a, codes, tables, used, exps, *, dtype):
     """`a` plus each of `CHAIN_GROUP` links' residuals where `used`, per link the formula of the save
-    (`plus_offset`): `codes` (CHAIN_GROUP, n) and `tables` (CHAIN_GROUP, 256) hold one row per link, so a
-    group's host arrays reach the device in one transfer of three arrays."""
+    (`plus_offset`, after `weighting.times_multiplier` where the link is weighted): `codes` (CHAIN_GROUP, n),
+    `tables` (CHAIN_GROUP, 256) and `exps` (None: no link of the group weighted; else (CHAIN_GROUP, n) int8, 0
+    for an unweighted link) hold one row per link, so a group's host arrays reach the device in one transfer."""
     for i in range(CHAIN_GROUP):
-        a = jnp.where(used[i], plus_offset(tables[i][codes[i]], a, dtype), a)
+        r = tables[i][codes[i]]
+        if exps is not None:
+            r = weighting.times_multiplier(r, exps[i])
+        a = jnp.where(used[i], plus_offset(r, a, dtype), a)
         if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
             a = jax.lax.optimization_barrier(a)
     return a
@@ -658,7 +683,8 @@ def _put_at(a, at, values):
 
 
 def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedTensor], device=None,
-                 positions: Sequence[np.ndarray] | None = None) -> jax.Array:
+                 positions: Sequence[np.ndarray] | None = None,
+                 weightings: Sequence[Sequence[np.ndarray] | None] | None = None) -> jax.Array:
     """A closed-loop chain decoded: `first` (a keyframe's encoded tensor, or the exact values of a lossless first
     link) plus each residual in turn, `decode(residual, offset=the reconstruction so far)` link by link, bit for
     bit, in jitted kernels on `device` (default device if None).
@@ -669,7 +695,8 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     kernels work on flat arrays and compile once per tensor size and dtype (and power of two of the protected
     positions), whatever the chain's length: the residuals are added `CHAIN_GROUP` at a time.
     `positions`: per encoded link (`first` if it is one, then the residuals), its protected weights' flat
-    positions, if the caller has them."""
+    positions, if the caller has them. `weightings`: per residual, None or its weighting factors over the
+    tensor (one int vector per axis, weighting.py): its decoded values are multiplied by 2^K before the sum."""
     dtype = np.dtype(jnp.dtype(first.dtype if isinstance(first, EncodedTensor) else first.dtype))
     shape = first.codes.shape if isinstance(first, EncodedTensor) else first.shape
     f32 = np.dtype(np.float32)
@@ -678,6 +705,14 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     for e in residuals:
         if e.codes.shape != tuple(shape):
             raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape {tuple(shape)}")
+    weightings = list(weightings or [None] * len(residuals))
+    if len(weightings) != len(residuals):
+        raise ValueError(f"{len(weightings)} weightings for {len(residuals)} residual links")
+    for fs in weightings:
+        if fs is not None and tuple(np.size(f) for f in fs) != tuple(shape):
+            raise ValueError(f"corrupt chain: weighting factors of lengths {[np.size(f) for f in fs]} on a tensor "
+                             f"of shape {tuple(shape)}")
+    exps = [None if fs is None else weighting.exponents_host(fs).astype(np.int8).reshape(-1) for fs in weightings]
     # Every protected position once (`at`, ascending), and where each link's positions are in it (`where`): a
     # stable sort of the links' ascending positions merges them.
     cat = np.concatenate(positions) if positions else np.zeros(0, np.int32)
@@ -694,9 +729,11 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
         a[where[0]] = first.protected.astype(dtype)
     else:
         a = np.asarray(first).reshape(-1)[at]
-    for e, w in zip(residuals, where[len(links) - len(residuals):]):
+    for e, w, k in zip(residuals, where[len(links) - len(residuals):], exps):
         r = _table(e, f32)[e.codes.reshape(-1)[at]]
         r[w] = e.protected.astype(f32)
+        if k is not None:  # times 2^K: exact, as on the device
+            r = np.ldexp(r, k[at].astype(np.int32)).astype(f32)
         off = a.astype(f32)
         a = (r + np.where(np.isfinite(off), off, f32.type(0))).astype(dtype)
     size = 1 << max(at.size - 1, 0).bit_length() if at.size else 0  # padded: few shapes to compile
@@ -717,10 +754,14 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     for g in range(0, len(residuals), CHAIN_GROUP):
         group = residuals[g:g + CHAIN_GROUP]
         pad = CHAIN_GROUP - len(group)
-        codes, tables, used = put([np.stack([e.codes.reshape(-1) for e in group + group[-1:] * pad]),
-                                   np.stack([_table(e, f32) for e in group + group[-1:] * pad]),
-                                   np.arange(CHAIN_GROUP) < len(group)])
-        out = _chain_group(out, codes, tables, used, dtype=jnp.dtype(dtype))
+        ks = exps[g:g + CHAIN_GROUP]
+        host = [np.stack([e.codes.reshape(-1) for e in group + group[-1:] * pad]),
+                np.stack([_table(e, f32) for e in group + group[-1:] * pad]), np.arange(CHAIN_GROUP) < len(group)]
+        if any(k is not None for k in ks):
+            zero = np.zeros(n, np.int8)
+            host.append(np.stack([zero if k is None else k for k in ks + [zero] * pad]))
+        codes, tables, used, *k = put(host)
+        out = _chain_group(out, codes, tables, used, k[0] if k else None, dtype=jnp.dtype(dtype))
     if at.size:
         out = _put_at(out, *put([fix_at, fix_values]))
     return out.reshape(shape)

@@ -14,6 +14,8 @@ from typing import Any, Literal, TypedDict
 import jax
 import numpy as np
 
+from inshrink_jax import weighting
+
 LeafKind = Literal["scalar", "array", "prng_key", "dropped", "quantized"]
 STORED_KINDS = ("array", "prng_key", "quantized")  # the kinds with stored shards
 LEAF_KINDS = ("scalar", "array", "prng_key", "dropped", "quantized")
@@ -226,6 +228,8 @@ class Segment:
         link's decoded residual is added to (None: the chain's first link, decoded on its own), and the link's
         K levels (codes 1..K; K + 1 is protected). A closed-loop link keeps all its segments in CODES_FILE:
         later links need them.
+      weighting: of a weighted closed-loop residual (weighting.py): per axis of the shard's box, the factors of
+        its indices there (ints within weighting.FACTOR_LIMIT; the restore checks the lengths against the box).
     """
 
     file: str
@@ -239,6 +243,7 @@ class Segment:
     count: int | None = None
     prior: str | None = None
     levels: list | None = None
+    weighting: list | None = None
 
     def to_json(self) -> dict:
         return _drop_none(dataclasses.asdict(self))
@@ -258,6 +263,10 @@ class Segment:
         levels = d.get("levels")
         _check(levels is None or (isinstance(levels, list) and 1 <= len(levels) <= MAX_LEVELS and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in levels)), "a segment's levels")
+        w = d.get("weighting")
+        _check(w is None or (isinstance(w, list) and all(isinstance(f, list) and all(
+            type(v) is int and -weighting.FACTOR_LIMIT <= v <= weighting.FACTOR_LIMIT for v in f) for f in w)),
+            "a segment's weighting")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

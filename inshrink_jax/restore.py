@@ -464,19 +464,52 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
             list(pool.map(lambda r: r[0](r[1], r[2]), reads))
 
     def build(box, dev):
-        parts, positions = [], []
-        for shards, centres, read in links:
+        parts, positions, weightings = [], [], []
+        for k, (shards, centres, read) in enumerate(links):
             if centres is None:
                 parts.append(_fill(box, dtype, [(e.box, (lambda p=p, e=e: read(p, e))) for p, e in shards], what))
             else:
                 enc, pos = _encoded(box, shards, *read, centres, meta.dtype, what)
                 parts.append(enc)
                 positions.append(pos)
-        return quantize.decode_chain(parts[0], parts[1:], dev, positions)
+            w = _link_weighting(box, shards, what)
+            if k == 0 and w is not None:
+                raise store.CheckpointCorruptError(f"{what}: the first link of its chain carries residual weighting")
+            weightings.append(w)
+        return quantize.decode_chain(parts[0], parts[1:], dev, positions, weightings[1:])
 
     if numpy:
         return np.asarray(build(boxes[0], None))
     return _make_array(shape, sharding, build, what)
+
+
+def _link_weighting(box, shards: list, what: str) -> list[np.ndarray] | None:
+    """A closed-loop link's weighting factors (weighting.py) over `box`, one int32 vector per axis, from its stored
+    shards' parts of them; None when the link is not weighted. A shard's part must span its box on every axis, and
+    every shard must agree (they are parts of one vector per axis) and cover the box."""
+    parts = [e.segments["codes"].weighting if "codes" in e.segments else None for _, e in shards]
+    if all(w is None for w in parts):
+        return None
+    if any(w is None for w in parts):
+        raise store.CheckpointCorruptError(f"{what}: some shards of a link carry residual weighting, others not")
+    out = [np.zeros(hi - lo, np.int32) for lo, hi in box]
+    seen = [np.zeros(hi - lo, bool) for lo, hi in box]
+    for (_, e), w in zip(shards, parts):
+        if len(w) != len(box) or any(len(f) != hi - lo for f, (lo, hi) in zip(w, e.box)):
+            raise store.CheckpointCorruptError(
+                f"{what}: a shard's weighting has lengths {[len(f) for f in w]}, its box {e.box}")
+        for d, (f, (lo, hi), (blo, bhi)) in enumerate(zip(w, e.box, box)):
+            a, b = max(lo, blo), min(hi, bhi)
+            if a >= b:
+                continue
+            vals = np.asarray(f[a - lo:b - lo], np.int32)
+            if np.any(seen[d][a - blo:b - blo] & (out[d][a - blo:b - blo] != vals)):
+                raise store.CheckpointCorruptError(f"{what}: its shards disagree on the weighting of axis {d}")
+            out[d][a - blo:b - blo] = vals
+            seen[d][a - blo:b - blo] = True
+    if not all(s.all() for s in seen):
+        raise store.CheckpointCorruptError(f"{what}: its shards' weighting does not cover the box {box}")
+    return out
 
 
 def _once(read: Callable) -> Callable:

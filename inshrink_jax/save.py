@@ -34,7 +34,7 @@ import numpy as np
 from etils import epath
 from orbax.checkpoint._src.serialization import limits
 
-from inshrink_jax import codec, delta, moments, policy, quantize, records, search, store
+from inshrink_jax import codec, delta, moments, policy, quantize, records, search, store, weighting
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 _QUANTIZABLE = {"float32", "bfloat16", "float16"}
@@ -116,6 +116,9 @@ class Plan:
       small_grads: for each of `small`, its gradient EMA or None.
       empty: the state's empty containers (`records.empty_containers`).
       grads_given: whether the save was given gradients at all.
+      second_of: weight or small parameter leaf index -> the leaf index of the optimizer second moment of its
+        shape that mirrors it (whatever that moment's policy), where there is one: what weights its residual
+        (weighting.py).
     """
 
     leaves: list
@@ -132,6 +135,7 @@ class Plan:
     small_grads: list
     empty: list
     grads_given: bool
+    second_of: dict
 
 
 def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
@@ -153,11 +157,14 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
              if r.kind == "array" and pol.policy == "quantize" and pol.moment is None and isinstance(x, jax.Array)
              and r.dtype in _QUANTIZABLE and x.ndim >= 1 and x.size >= MIN_RESIDUAL_SIZE
              and int(np.prod(x.sharding.shard_shape(x.shape))) <= MAX_SHARD_ELEMENTS]
+    seconds = [i for i, pol in enumerate(policies) if pol.moment == policy.SECOND]
+    chained = weights + small
+    second_of = {chained[k]: j for j, k in zip(seconds, _owners(flat, chained, seconds, policies)) if k is not None}
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
                 [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of,
                 small, [_mirrored(flat[i][0], by_path) for i in small], records.empty_containers(state),
-                grads is not None)
+                grads is not None, second_of)
 
 
 def with_small(p: Plan, cfg: CompressionConfig) -> Plan:
@@ -344,6 +351,27 @@ def recon_offsets(p: Plan, cfg: CompressionConfig, chain: ItemState) -> list | N
     return out
 
 
+def residual_factors(p: Plan, cfg: CompressionConfig) -> list | None:
+    """Per weight of a residual save (`p` after `with_small`), its weighting factors (weighting.py), or None
+    where it is not weighted: fewer than 2 dimensions, no second moment of its own in the state (as a device
+    array on the same devices), or `cfg.weighted_residuals` off. None when no weight is weighted."""
+    if not cfg.weighted_residuals:
+        return None
+    idx = []
+    for k, i in enumerate(p.weights):
+        j = p.second_of.get(i)
+        x, nu = p.leaves[i], None if j is None else p.leaves[j]
+        if x.ndim >= 2 and isinstance(nu, jax.Array) and nu.shape == x.shape and \
+                nu.sharding.device_set == x.sharding.device_set:
+            idx.append((k, j))
+    if not idx:
+        return None
+    out: list = [None] * len(p.weights)
+    for (k, _), fs in zip(idx, weighting.factors([p.leaves[j] for _, j in idx])):
+        out[k] = tuple(weighting.replicated(f) for f in fs)
+    return out
+
+
 def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: ItemState, offsets: list,
              base_info: dict | None, primary: bool, started: float) -> Dispatched:
     """Choose the configuration, dispatch the encoders (and, closed loop, the new reconstruction), copy the
@@ -352,13 +380,15 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     closed = cfg.closed_loop and not p.base_of
     recon = recon_offsets(p, cfg, chain)
     residual = recon is not None
+    factors = None
     if residual:
         offsets, p = recon, with_small(p, cfg)
+        factors = residual_factors(p, cfg)
     small = p.small if closed else []  # exact at a closed-loop keyframe: the first link of their chains
     xs = [p.leaves[i] for i in p.weights]
     layer_types = [p.records[i].layer_type for i in p.weights]
     previous = None if residual else chain.quant
-    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual)
+    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors)
     if closed and isinstance(search_record, dict):
         search_record["coding"] = RESIDUAL if residual else KEYFRAME
     recs = list(p.records)
@@ -378,7 +408,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
             recs[i] = dataclasses.replace(recs[i], coding=coding)
         if devs is None:
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
-                                             sigma=quantize.RESIDUAL_SIGMA if residual else None)
+                                             sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
     # its previous value, not a zero).
@@ -420,7 +450,8 @@ def _device_shards(idx: list[int], xs: list, devs: list) -> list[tuple[int, list
         in_place = {s.device: s.data for s in dev.protected_in_place.addressable_shards}
         for s in dev.codes.addressable_shards:
             if s.replica_id == 0:
-                out.append((i, store.box_of(s.index, x.shape), (s.data, dev.centres, in_place[s.device], dev.bins)))
+                out.append((i, store.box_of(s.index, x.shape),
+                             (s.data, dev.centres, in_place[s.device], dev.bins, dev.factors)))
     return out
 
 
@@ -451,17 +482,18 @@ def check_eval_fn(cfg: CompressionConfig, eval_fn) -> None:
         raise TypeError(f"InshrinkSave(eval_fn=...) must be a callable of the state, not {type(eval_fn).__name__}")
 
 
-def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, residual: bool = False):
+def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, residual: bool = False,
+              factors: list | None = None):
     """(configuration or None for lossless, its encoded leaves if the search made them, the search's record,
     the choice the next save's search starts from). `residual`: a closed-loop residual save (the search runs
-    over `cfg.residual_space`)."""
+    over `cfg.residual_space`), its weights weighted by `factors` (`residual_factors`)."""
     if not p.weights:
         return cfg.quant, None, {"mode": "none (no compressed leaves)"}, previous
     if not cfg.search:
         return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
-                                    previous, offsets, residual)
+                                    previous, offsets, residual, factors)
     if outcome.mode == search.UNMEASURED:
         warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
                       "cannot be measured: this save stores the parameters losslessly, and the next save "
@@ -489,11 +521,14 @@ def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_ev
     save's, whichever codes smaller (open loop), or the link's levels and prior (closed loop); entropy coding."""
     if not isinstance(payload, tuple):
         return {"data": (*codec.compress_best(payload, codec.LOSSLESS_CODECS), {})}, None
-    enc = quantize.to_host(*payload, rec.dtype)
+    *coded, factors = payload
+    enc = quantize.to_host(*coded, rec.dtype)
     protected = (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
                  {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)})
     if rec.coding == records.CLOSED_LOOP:
         extra = {"prior": prior, "levels": records.float32_list(enc.centres)}
+        if factors is not None:  # this shard's part of each axis's factors
+            extra["weighting"] = [np.asarray(f)[lo:hi].tolist() for f, (lo, hi) in zip(factors, box)]
         return {"codes": (*codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
                 "protected": protected}, None
     # The codes on their own (a keyframe shard), or their delta against the previous save's (a delta shard),

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inshrink_jax import quantize
+from inshrink_jax import quantize, weighting
 from inshrink_jax.config import CompressionConfig, QuantConfig, SearchSpace
 
 LOSSLESS = "lossless"
@@ -397,8 +397,12 @@ class Evaluator:
 
     def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
                  cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, offsets: Sequence | None = None,
-                 residual: bool = False):
+                 residual: bool = False, factors: Sequence | None = None):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
+        self.factors = factors  # a residual save's weighting (weighting.py), None: unweighted
+        # The proxy's weights of a residual: 1 / M (the squared error the weighted coding spends evenly), else 1.
+        self.residual_weights = None if not residual else [None] * len(self.quant_idx) if factors is None else \
+            weighting.inverse_multipliers(list(factors))
         self.xs = [leaves[i] for i in self.quant_idx]
         self.offsets = offsets
         self.references = list(offsets) if residual else None  # the proxy's reference (closed-loop residuals)
@@ -444,12 +448,12 @@ class Evaluator:
         # Dispatch every candidate's device work first, then block on the scores together.
         sigma = None if self.references is None else quantize.RESIDUAL_SIGMA  # closed-loop residuals
         encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets,
-                                             sigma=sigma) for q in quants]
+                                             sigma=sigma, factors=self.factors) for q in quants]
         scores = []
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
             if self.eval_fn is None:
-                gs = self.gs if self.references is None else [None] * len(self.gs)  # residuals: unweighted
+                gs = self.gs if self.references is None else self.residual_weights
                 scores.append(proxy_degradation(self.xs, deq, gs, self.references))
             else:
                 leaves = list(self.leaves)
@@ -463,7 +467,8 @@ class Evaluator:
 
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
            cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None,
-           offsets: Sequence | None = None, residual: bool = False) -> tuple[Outcome, dict]:
+           offsets: Sequence | None = None, residual: bool = False,
+           factors: Sequence | None = None) -> tuple[Outcome, dict]:
     """Run the search for one save; returns the outcome and its record for the manifest (chosen
     configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds).
     `offsets` (per quantized leaf, None or its base weight) are passed to the encoder: those leaves are
@@ -471,7 +476,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
 
     `residual`: a closed-loop residual save (`offsets` are the previous reconstruction). Its search runs over
     `cfg.residual_space` with the data-free proxy against the residual (`proxy_degradation` with the offsets
-    as references, unweighted) under `cfg.effective_residual_budget`: no eval_fn call per candidate. With an eval_fn, the chosen
+    as references, weighted by `factors`: weighting.py) under `cfg.effective_residual_budget`: no eval_fn call
+    per candidate. With an eval_fn, the chosen
     candidate is then measured once; if it degrades by more than `cfg.epsilon`, the least aggressive residual
     configuration is measured and taken unless it measured worse (`_guard`). A residual save is never lossless:
     when no configuration meets the budget, the least aggressive one is taken (mode "least aggressive"). Any
@@ -494,10 +500,11 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         sizes[lt] = sizes.get(lt, 0) + int(np.prod(leaves[i].shape))
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
-                          offsets=offsets, residual=residual)
+                          offsets=offsets, residual=residual, factors=factors)
     budget = cfg.effective_residual_budget if residual else cfg.epsilon if eval_fn is not None \
         else cfg.effective_proxy_budget
-    checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True) \
+    checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True,
+                        factors=factors) \
         if residual and eval_fn is not None else evaluator
     proxy = None
     if eval_fn is not None and not math.isfinite(checker.measure_baseline()):
@@ -524,7 +531,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         "quality": ("eval_fn, " + ("higher is better" if cfg.higher_is_better else "lower is better"))
         if eval_fn is not None and not residual else
         "data-free proxy: sensitivity-weighted relative reconstruction error" + (
-            " of the residual" + (", the choice checked with eval_fn" if eval_fn is not None else "")
+            " of the residual" + (" (weighted by the second moments)" if factors is not None else "")
+            + (", the choice checked with eval_fn" if eval_fn is not None else "")
             if residual else ""),
         "budget": budget,
         "baseline": checker.baseline if checker.baseline is None or math.isfinite(checker.baseline)

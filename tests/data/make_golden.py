@@ -26,8 +26,12 @@ def state(step: int) -> dict:
     rng = np.random.default_rng(0)
     w = rng.standard_t(3, size=(64, 48)).astype(np.float32) * 0.05
     w = w + np.random.default_rng(step + 1).normal(size=w.shape).astype(np.float32) * 1e-3 * step
+    # The moments mirror the kernel (from format 11 its residual is weighted by the second moment's rows and
+    # columns, which differ by up to 2^12 here).
+    nu = w * w * np.outer(np.logspace(0, 12, 64, base=2), np.logspace(0, 4, 48, base=2)).astype(np.float32)
     return {"params": {"dense": {"kernel": jnp.asarray(w), "bias": jnp.arange(48, dtype=jnp.float32)}},
-            "opt_state": {"count": jnp.int32(step), "mu": jnp.asarray(w * 0.1), "nu": jnp.asarray(w * w)},
+            "opt_state": {"count": jnp.int32(step), "mu": {"dense": {"kernel": jnp.asarray(w * 0.1)}},
+                          "nu": {"dense": {"kernel": jnp.asarray(nu)}}},
             "step": jnp.int32(step), "name": "golden", "key": jax.random.PRNGKey(step)}
 
 
