@@ -431,12 +431,19 @@ def _dequantize(codes, centres, protected_in_place, bins, offsets, scales, facto
 def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.Array]:
     """`DeviceCodes.dequantize` of many tensors in one jitted call (one dispatch for a whole candidate of the
     search, not one per tensor)."""
-    if not devs:
-        return []
-    return _dequantize([d.codes for d in devs], [d.centres for d in devs], [d.protected_in_place for d in devs],
-                       [d.bins if isinstance(d.bins, jax.Array) else np.int32(d.bins) for d in devs],
-                       [d.offset for d in devs], [d.scale for d in devs], [d.factors for d in devs],
-                       dtypes=tuple(jnp.dtype(t) for t in dtypes))
+    out: list = [None] * len(devs)
+    units: dict = {}  # one call per device set (a jitted call takes arrays of one device set)
+    for i, d in enumerate(devs):
+        units.setdefault(frozenset(x.id for x in _devices(d.codes)), []).append(i)
+    for ix in units.values():
+        ds = [devs[i] for i in ix]
+        for i, r in zip(ix, _dequantize(
+                [d.codes for d in ds], [d.centres for d in ds], [d.protected_in_place for d in ds],
+                [d.bins if isinstance(d.bins, jax.Array) else np.int32(d.bins) for d in ds],
+                [d.offset for d in ds], [d.scale for d in ds], [d.factors for d in ds],
+                dtypes=tuple(jnp.dtype(dtypes[i]) for i in ix))):
+            out[i] = r
+    return out
 
 
 def protected_positions(codes: np.ndarray, bins: int) -> np.ndarray:

@@ -368,7 +368,7 @@ def residual_factors(p: Plan, cfg: CompressionConfig) -> list | None:
         return None
     out: list = [None] * len(p.weights)
     for (k, _), fs in zip(idx, weighting.factors([p.leaves[j] for _, j in idx])):
-        out[k] = tuple(weighting.replicated(f) for f in fs)
+        out[k] = tuple(weighting.replicated(f, p.leaves[p.weights[k]]) for f in fs)
     return out
 
 
@@ -410,6 +410,10 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
                                              sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
+        # One jitted call for every tensor places its outputs on the devices of all of them: a tensor kept on a
+        # device of its own goes back there, or the next save would find no reconstruction of its sharding.
+        new_recon = [r if r.sharding.is_equivalent_to(x.sharding, x.ndim) else jax.device_put(r, x.sharding)
+                     for r, x in zip(new_recon, xs)]
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
     # its previous value, not a zero).
     prune = [devs[k].codes if k is not None and devs[k].offset is None else None

@@ -90,10 +90,11 @@ def times_multiplier(r: jax.Array, k: jax.Array) -> jax.Array:
     return r * pow2(k)
 
 
-def replicated(a: jax.Array) -> jax.Array:
-    """`a` on every device of its mesh (a factor vector is small; each process writes its shards' part of it
-    from the whole, as it does a tensor's levels)."""
-    s = a.sharding
-    if a.is_fully_replicated or not isinstance(s, jax.sharding.NamedSharding):
-        return a
-    return jax.device_put(a, jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec()))
+def replicated(a: jax.Array, like: jax.Array) -> jax.Array:
+    """`a` (a small factor vector) whole on every device of `like` (the tensor it weights): each process then
+    writes its shards' part of it from the whole, as it does a tensor's levels, and the encoder takes it with
+    the tensor (one jitted call takes arrays of one device set)."""
+    s = like.sharding
+    target = jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec()) \
+        if isinstance(s, jax.sharding.NamedSharding) else s
+    return a if a.sharding.is_equivalent_to(target, a.ndim) else jax.device_put(a, target)
