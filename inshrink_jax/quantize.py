@@ -522,8 +522,23 @@ def encode_on_device(
     if any(f is not None and offsets[i] is None for i, f in enumerate(factors)):
         raise ValueError("weighting factors apply to residuals only: a weighted tensor needs an offset")
     spec = sketch.SketchSpec(cfg.alpha)
-    types = sorted(set(layer_types))
-    idx = [[i for i, lt in enumerate(layer_types) if lt == kind] for kind in types]
+    # The tensors of one layer type share a prune threshold; a type whose tensors are on different device sets
+    # (layers placed on different devices, as in pipeline parallelism) is split by device set, each part with a
+    # threshold of its own: one jitted call takes arrays of one device set.
+    devsets = [frozenset(d.id for d in _devices(x)) for x in xs]
+    groups: dict = {}
+    for i, lt in enumerate(layer_types):
+        groups.setdefault(lt, {}).setdefault(devsets[i], []).append(i)
+    types, idx = [], []
+    for lt in sorted(groups):
+        by_set = groups[lt]
+        if frozenset() in by_set and len(by_set) > 1:  # host arrays join the type's first device set
+            host = by_set.pop(frozenset())
+            first = next(iter(by_set))
+            by_set[first] = sorted(by_set[first] + host)
+        for ix in by_set.values():
+            types.append(lt)
+            idx.append(ix)
     kinds, bins = [], []
     for kind, ix in zip(types, idx):
         b = quant.bins_for(kind)
@@ -539,11 +554,11 @@ def encode_on_device(
         kinds.append(Kind(buckets(gxs, ggs, goffs, weighted, prunable, out_dtypes), prunable, out_dtypes, capacity,
                           b if quant.rate > 0 else 0, kind == "embedding"))
         bins.append(b)
-    # One call for the layer types whose tensors are on the same devices (a jitted call takes arrays of one
-    # device set: a state may keep, say, its convolutions on one device and shard its dense layers).
+    # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
+    # convolutions on one device and shard its dense layers). A host array goes wherever the others are.
     units: dict = {}
     for t, ix in enumerate(idx):
-        units.setdefault(frozenset(d.id for i in ix for d in _devices(xs[i])), []).append(t)
+        units.setdefault(frozenset().union(*(devsets[i] for i in ix)), []).append(t)
     out: list[DeviceCodes | None] = [None] * len(xs)
     for ts in units.values():
         results = _encode(

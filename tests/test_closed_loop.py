@@ -451,3 +451,22 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
     mngr.save(2, args=ij.InshrinkSave(states[2]))  # no eval_fn: the residual space's own choice
     mngr.wait_until_finished()
     assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= 8
+
+
+def test_leaves_on_different_devices_each_continue_their_chain(tmp_path):
+    """A state with one weight sharded over a mesh and another on a device of its own: each reconstruction stays
+    on its leaf's devices, so every later save codes both as residuals (a reconstruction placed elsewhere made
+    the leaf a keyframe at every save)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+    mngr = manager(tmp_path)
+    for step, s in enumerate(walk(8, 3)):
+        mngr.save(step, args=ij.InshrinkSave({"w": jax.device_put(s["w"], split), "u": jax.device_put(s["v"], one)}))
+        mngr.wait_until_finished()
+    for step in (1, 2):
+        reader = store.Reader(tmp_path / str(step) / "default")
+        for leaf in ("['w']", "['u']"):
+            assert all(e.segments["codes"].prior is not None for _, e in reader.shards[leaf]), (step, leaf)
+    restored = manager(tmp_path).restore(2)
+    assert restored["u"].dtype == jnp.bfloat16 and rms(restored["u"], s["v"]) < 1e-3
