@@ -84,7 +84,7 @@ def walk(n: int, seed: int = 0):
 
 
 def manager(root, **cfg):
-    cfg = {"search": False, "quant": ij.QuantConfig(bins=4, protect_fraction=0.0), **cfg}
+    cfg = {"search": False, "quant": ij.QuantConfig(bins=4, protect_fraction=0.0), "weighted_residuals": True, **cfg}
     handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(**cfg))
     return ocp.CheckpointManager(root, item_handlers=handler), handler
 
@@ -132,7 +132,12 @@ def test_unweighted_when_switched_off_or_without_a_second_moment(tmp_path):
         mngr.save(step, args=ij.InshrinkSave(s["params"]))
         mngr.wait_until_finished()
     assert weightings(tmp_path / "plain" / "1" / "default") == {}
-    assert ij.CompressionConfig().weighted_residuals
+    assert not ij.CompressionConfig().weighted_residuals  # not the default (docs/results.md)
+    mngr, _ = manager(tmp_path / "default", weighted_residuals=ij.CompressionConfig().weighted_residuals)
+    for step, s in enumerate(walk(2)):
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+    assert weightings(tmp_path / "default" / "1" / "default") == {}
     with pytest.raises(TypeError, match="weighted_residuals must be a bool"):
         ij.CompressionConfig(weighted_residuals=1)
 

@@ -37,7 +37,8 @@ def state(step: int) -> dict:
 
 def main(out: str) -> None:
     fields = {f.name for f in dataclasses.fields(ij.CompressionConfig)}
-    kw = {k: v for k, v in (("search", False), ("optimizer", "quantize"), ("first_moment_bins", 2)) if k in fields}
+    kw = {k: v for k, v in (("search", False), ("optimizer", "quantize"), ("first_moment_bins", 2),
+                            ("weighted_residuals", True)) if k in fields}
     root = os.path.join(os.path.abspath(out), "ckpt")
     mngr = ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(**kw)))
     for s in (0, 1):
