@@ -140,15 +140,17 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
     if not ms:
         return []
     key = seed_key(cfg.seed, 0x6D6F6D) if key is None else key
-    groups = quantize.buckets(ms)
-    stacks = _encode_moments(
-        list(ms), key, buckets=groups, bins=cfg.effective_moment_bins, spec=sketch.SketchSpec(cfg.alpha),
-        iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
-        dtypes=tuple(jnp.dtype(m.dtype) for m in ms))
     out: list[DeviceCodes | None] = [None] * len(ms)
-    for b, bucket in zip(groups, stacks):
-        for i, (c, t, v) in zip(b, zip(*map(quantize.unstack, bucket))):
-            out[i] = DeviceCodes(c, t, v, table_size(cfg.effective_moment_bins))
+    for unit in quantize.device_units(ms):  # one call per device set
+        part = [ms[i] for i in unit]
+        groups = quantize.buckets(part)
+        stacks = _encode_moments(
+            part, key, buckets=groups, bins=cfg.effective_moment_bins, spec=sketch.SketchSpec(cfg.alpha),
+            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
+            dtypes=tuple(jnp.dtype(m.dtype) for m in part))
+        for b, bucket in zip(groups, stacks):
+            for j, (c, t, v) in zip(b, zip(*map(quantize.unstack, bucket))):
+                out[unit[j]] = DeviceCodes(c, t, v, table_size(cfg.effective_moment_bins))
     return out  # type: ignore[return-value]
 
 

@@ -432,10 +432,7 @@ def dequantize_all(devs: Sequence["DeviceCodes"], dtypes: Sequence) -> list[jax.
     """`DeviceCodes.dequantize` of many tensors in one jitted call (one dispatch for a whole candidate of the
     search, not one per tensor)."""
     out: list = [None] * len(devs)
-    units: dict = {}  # one call per device set (a jitted call takes arrays of one device set)
-    for i, d in enumerate(devs):
-        units.setdefault(frozenset(x.id for x in _devices(d.codes)), []).append(i)
-    for ix in units.values():
+    for ix in device_units([d.codes for d in devs]):
         ds = [devs[i] for i in ix]
         for i, r in zip(ix, _dequantize(
                 [d.codes for d in ds], [d.centres for d in ds], [d.protected_in_place for d in ds],
@@ -525,20 +522,12 @@ def encode_on_device(
     # The tensors of one layer type share a prune threshold; a type whose tensors are on different device sets
     # (layers placed on different devices, as in pipeline parallelism) is split by device set, each part with a
     # threshold of its own: one jitted call takes arrays of one device set.
-    devsets = [frozenset(d.id for d in _devices(x)) for x in xs]
-    groups: dict = {}
-    for i, lt in enumerate(layer_types):
-        groups.setdefault(lt, {}).setdefault(devsets[i], []).append(i)
     types, idx = [], []
-    for lt in sorted(groups):
-        by_set = groups[lt]
-        if frozenset() in by_set and len(by_set) > 1:  # host arrays join the type's first device set
-            host = by_set.pop(frozenset())
-            first = next(iter(by_set))
-            by_set[first] = sorted(by_set[first] + host)
-        for ix in by_set.values():
+    for lt in sorted(set(layer_types)):
+        of_type = [i for i, t in enumerate(layer_types) if t == lt]
+        for ix in device_units([xs[i] for i in of_type]):
             types.append(lt)
-            idx.append(ix)
+            idx.append([of_type[j] for j in ix])
     kinds, bins = [], []
     for kind, ix in zip(types, idx):
         b = quant.bins_for(kind)
@@ -556,11 +545,8 @@ def encode_on_device(
         bins.append(b)
     # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
     # convolutions on one device and shard its dense layers). A host array goes wherever the others are.
-    units: dict = {}
-    for t, ix in enumerate(idx):
-        units.setdefault(frozenset().union(*(devsets[i] for i in ix)), []).append(t)
     out: list[DeviceCodes | None] = [None] * len(xs)
-    for ts in units.values():
+    for ts in device_units([xs[ix[0]] if len(ix) == 1 else _first_on_device(xs, ix) for ix in idx]):
         results = _encode(
             [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
             [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
@@ -579,6 +565,21 @@ def encode_on_device(
     return out  # type: ignore[return-value]
 
 
+def map_by_device_set(f, xs: Sequence, *others: Sequence) -> list:
+    """[f(xs[i], others[..][i]) ...] computed as one call of `f` (a jitted function of lists, returning a list)
+    per device set of `xs` (`device_units`)."""
+    out: list = [None] * len(xs)
+    for ix in device_units(xs):
+        for i, r in zip(ix, f([xs[i] for i in ix], *([o[i] for i in ix] for o in others))):
+            out[i] = r
+    return out
+
+
+def _first_on_device(xs: Sequence, ix: Sequence[int]):
+    """The first of `xs[ix]` that is a device array (a group's device set), else the first."""
+    return next((xs[i] for i in ix if isinstance(xs[i], jax.Array)), xs[ix[0]])
+
+
 def unstack(a: jax.Array) -> list[jax.Array]:
     """The arrays stacked on `a`'s leading axis, one per call of a kernel that takes one of them at a traced
     index: compiled once per stack shape, dtype and sharding, whatever the number of tensors (a kernel with one
@@ -592,9 +593,28 @@ def _take(a: jax.Array, j) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(a, j, keepdims=False)
 
 
-def _devices(x) -> set:
-    """The devices an array is on (none for a host array, which goes wherever the others are)."""
+def devices_of(x) -> set:
+    """The devices an array (or a tuple of arrays) is on (none for a host array or None, which go wherever the
+    others are)."""
+    if isinstance(x, (tuple, list)):
+        return set().union(*(devices_of(a) for a in x))
     return x.sharding.device_set if isinstance(x, jax.Array) else set()
+
+
+def device_units(xs: Sequence) -> list[list[int]]:
+    """Indices of `xs` grouped by the device set their arrays are on, in order of first appearance: one jitted
+    call takes arrays of one device set, and a state may keep its layers on different devices (pipeline
+    parallelism; or, say, its convolutions on one device and its dense layers sharded). Host arrays join the
+    first device set (they go wherever the others are)."""
+    units: dict = {}
+    for i, x in enumerate(xs):
+        units.setdefault(frozenset(d.id for d in devices_of(x)), []).append(i)
+    host = units.pop(frozenset(), [])
+    if not units:
+        return [host] if host else []
+    groups = list(units.values())
+    groups[0] = sorted(groups[0] + host)
+    return groups
 
 
 def to_host(codes, centres, protected_in_place, bins: int, dtype) -> EncodedTensor:

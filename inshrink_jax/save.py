@@ -367,7 +367,7 @@ def residual_factors(p: Plan, cfg: CompressionConfig) -> list | None:
     if not idx:
         return None
     out: list = [None] * len(p.weights)
-    for (k, _), fs in zip(idx, weighting.factors([p.leaves[j] for _, j in idx])):
+    for (k, _), fs in zip(idx, quantize.map_by_device_set(weighting.factors, [p.leaves[j] for _, j in idx])):
         out[k] = tuple(weighting.replicated(f, p.leaves[p.weights[k]]) for f in fs)
     return out
 

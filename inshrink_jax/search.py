@@ -365,14 +365,8 @@ def search(
 
 # ---------------------------------------------------------------------------------------------- evaluation
 @jax.jit
-def proxy_degradation(xs, dequantized, gs, references=None):
-    """The data-free quality proxy: sum(g^2 (w - w_q)^2) / sum(g^2 (w - ref)^2) over all compressed tensors,
-    with g = 1 where no gradient is given and ref = 0 where no reference is given (the weights' own energy; a
-    closed-loop residual save's reference is the previous reconstruction, so the proxy is the share of the
-    interval's change, plus the error carried in, that the save leaves out). g^2 weights the squared error like
-    a diagonal Fisher (second-order) estimate of the loss change; non-finite weights are stored exactly and
-    excluded."""
-    references = [None] * len(xs) if references is None else references
+def _proxy_sums(xs, dequantized, gs, references):
+    """(numerator, denominator) of `proxy_degradation` over tensors on one device set."""
     num = den = jnp.float32(0)
     for x, d, g, r in zip(xs, dequantized, gs, references):
         x32 = x.astype(jnp.float32)
@@ -381,7 +375,26 @@ def proxy_degradation(xs, dequantized, gs, references=None):
         num += jnp.sum(jnp.where(fin, w * jnp.square(x32 - d.astype(jnp.float32)), 0.0))
         ref = x32 if r is None else x32 - r.astype(jnp.float32)
         den += jnp.sum(jnp.where(fin & jnp.isfinite(ref), w * jnp.square(ref), 0.0))
+    return num, den
+
+
+def _ratio(num, den):
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
+
+
+def proxy_degradation(xs, dequantized, gs, references=None):
+    """The data-free quality proxy: sum(g^2 (w - w_q)^2) / sum(g^2 (w - ref)^2) over all compressed tensors,
+    with g = 1 where no gradient is given and ref = 0 where no reference is given (the weights' own energy; a
+    closed-loop residual save's reference is the previous reconstruction, so the proxy is the share of the
+    interval's change, plus the error carried in, that the save leaves out). g^2 weights the squared error like
+    a diagonal Fisher (second-order) estimate of the loss change; non-finite weights are stored exactly and
+    excluded."""
+    references = [None] * len(xs) if references is None else list(references)
+    units = quantize.device_units(xs)  # one jitted call per device set
+    if len(units) <= 1:  # the usual case: one dispatched call, nothing waited for
+        return _ratio(*_proxy_sums(list(xs), list(dequantized), list(gs), references))
+    sums = [_proxy_sums(*([a[i] for i in ix] for a in (xs, dequantized, gs, references))) for ix in units]
+    return _ratio(np.float32(sum(float(n) for n, _ in sums)), np.float32(sum(float(d) for _, d in sums)))
 
 
 class Evaluator:
@@ -402,7 +415,7 @@ class Evaluator:
         self.factors = factors  # a residual save's weighting (weighting.py), None: unweighted
         # The proxy's weights of a residual: 1 / M (the squared error the weighted coding spends evenly), else 1.
         self.residual_weights = None if not residual else [None] * len(self.quant_idx) if factors is None else \
-            weighting.inverse_multipliers(list(factors))
+            quantize.map_by_device_set(weighting.inverse_multipliers, list(factors))
         self.xs = [leaves[i] for i in self.quant_idx]
         self.offsets = offsets
         self.references = list(offsets) if residual else None  # the proxy's reference (closed-loop residuals)

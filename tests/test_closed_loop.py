@@ -470,3 +470,34 @@ def test_leaves_on_different_devices_each_continue_their_chain(tmp_path):
             assert all(e.segments["codes"].prior is not None for _, e in reader.shards[leaf]), (step, leaf)
     restored = manager(tmp_path).restore(2)
     assert restored["u"].dtype == jnp.bfloat16 and rms(restored["u"], s["v"]) < 1e-3
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
+    """Pipeline-style placement: each layer, its Adam moments included, sharded over its own pair of devices.
+    The encoders, the residual search's proxy, the second moments' encoder and the weighting run one call per
+    device set (a jitted call takes arrays of one device set); restores land on each layer's devices."""
+    import optax
+
+    stages = [jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[k:k + 2]), ("x",)),
+                                         jax.sharding.PartitionSpec("x")) for k in (0, 2)]
+    rng = np.random.default_rng(0)
+    w = [rng.normal(size=(64, 48)).astype(np.float32) * 0.05 for _ in stages]
+    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(weighted_residuals=weighted))
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=handler)
+    for step in range(3):
+        w = [x + rng.normal(size=x.shape).astype(np.float32) * 2e-3 for x in w]
+        params = {f"l{k}": {"kernel": jax.device_put(jnp.asarray(x), s)} for k, (x, s) in enumerate(zip(w, stages))}
+        opt = jax.tree.map(lambda a: a + 1e-4 if a.ndim else a, optax.adam(1e-3).init(params))
+        mngr.save(step, args=ij.InshrinkSave({"params": params, "opt_state": opt}))
+        mngr.wait_until_finished()
+    reader = store.Reader(tmp_path / "2" / "default")
+    for k in range(2):
+        assert all(e.segments["codes"].prior is not None for _, e in reader.shards[f"['params']['l{k}']['kernel']"])
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                          {"params": params, "opt_state": opt})
+    out = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler()).restore(
+        2, args=ij.InshrinkRestore(target))
+    for k, (x, s) in enumerate(zip(w, stages)):
+        got = out["params"][f"l{k}"]["kernel"]
+        assert got.sharding == s and rms(got, x) < 0.01
