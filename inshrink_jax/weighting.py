@@ -5,9 +5,9 @@ A restore's error e costs about 1/2 sum(h_i e_i^2) in loss, h the loss's curvatu
 Adam moves every weight by about the same step whatever its `nu`: a residual coded with the same error
 everywhere spends its bits alike on weights the loss hardly sees and on those it sees most. A weighted residual
 is coded as u = r / M and decodes to u * M, with M = nu^(-1/4) up to a power of two: the squared error is then
-weighted by nu^(1/2) (not nu: `nu` also holds the gradients' noise; on the character transformer the square
-root weighting put the loss nearest the unweighted coding's at the fewest bits, docs/how-it-works.md). The search
-bounds the same weighted error (`search.proxy_degradation` with weights 1 / M).
+weighted by nu^(1/2) (not by nu, which also holds the gradients' noise, no curvature). The search bounds the same
+weighted error (`search.proxy_degradation` with weights 1 / M). Off by default (CompressionConfig.weighted_residuals:
+after 10 restores it moved along the default's frontier, not past it; docs/results.md).
 
 The decoder needs M without the optimizer state, so it is stored with each link, separably: one small integer
 per index of every axis (`factors`, in octaves of nu: the main effects of -log2(nu) about its mean, which is
