@@ -364,9 +364,8 @@ def search(
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-@jax.jit
-def _proxy_sums(xs, dequantized, gs, references):
-    """(numerator, denominator) of `proxy_degradation` over tensors on one device set."""
+def _sums(xs, dequantized, gs, references):
+    """(numerator, denominator) of `proxy_degradation` over tensors on one device set (traced)."""
     num = den = jnp.float32(0)
     for x, d, g, r in zip(xs, dequantized, gs, references):
         x32 = x.astype(jnp.float32)
@@ -382,6 +381,10 @@ def _ratio(num, den):
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
 
 
+_proxy_sums = jax.jit(_sums)
+_proxy = jax.jit(lambda *args: _ratio(*_sums(*args)))
+
+
 def proxy_degradation(xs, dequantized, gs, references=None):
     """The data-free quality proxy: sum(g^2 (w - w_q)^2) / sum(g^2 (w - ref)^2) over all compressed tensors,
     with g = 1 where no gradient is given and ref = 0 where no reference is given (the weights' own energy; a
@@ -392,9 +395,10 @@ def proxy_degradation(xs, dequantized, gs, references=None):
     references = [None] * len(xs) if references is None else list(references)
     units = quantize.device_units(xs)  # one jitted call per device set
     if len(units) <= 1:  # the usual case: one dispatched call, nothing waited for
-        return _ratio(*_proxy_sums(list(xs), list(dequantized), list(gs), references))
+        return _proxy(list(xs), list(dequantized), list(gs), references)
     sums = [_proxy_sums(*([a[i] for i in ix] for a in (xs, dequantized, gs, references))) for ix in units]
-    return _ratio(np.float32(sum(float(n) for n, _ in sums)), np.float32(sum(float(d) for _, d in sums)))
+    num, den = (np.float32(sum(float(v[k]) for v in sums)) for k in (0, 1))
+    return np.float32(num / den if den > 0 else (np.inf if num > 0 else 0.0))
 
 
 class Evaluator:

@@ -453,30 +453,13 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
     assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= 8
 
 
-def test_leaves_on_different_devices_each_continue_their_chain(tmp_path):
-    """A state with one weight sharded over a mesh and another on a device of its own: each reconstruction stays
-    on its leaf's devices, so every later save codes both as residuals (a reconstruction placed elsewhere made
-    the leaf a keyframe at every save)."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
-    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[1])
-    mngr = manager(tmp_path)
-    for step, s in enumerate(walk(8, 3)):
-        mngr.save(step, args=ij.InshrinkSave({"w": jax.device_put(s["w"], split), "u": jax.device_put(s["v"], one)}))
-        mngr.wait_until_finished()
-    for step in (1, 2):
-        reader = store.Reader(tmp_path / str(step) / "default")
-        for leaf in ("['w']", "['u']"):
-            assert all(e.segments["codes"].prior is not None for _, e in reader.shards[leaf]), (step, leaf)
-    restored = manager(tmp_path).restore(2)
-    assert restored["u"].dtype == jnp.bfloat16 and rms(restored["u"], s["v"]) < 1e-3
-
-
 @pytest.mark.parametrize("weighted", [False, True])
 def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
     """Pipeline-style placement: each layer, its Adam moments included, sharded over its own pair of devices.
     The encoders, the residual search's proxy, the second moments' encoder and the weighting run one call per
-    device set (a jitted call takes arrays of one device set); restores land on each layer's devices."""
+    device set (a jitted call takes arrays of one device set: such a save failed); each reconstruction stays on
+    its layer's devices, so both layers continue their chains (one placed elsewhere made its leaf a keyframe at
+    every save); restores land on each layer's devices."""
     import optax
 
     stages = [jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[k:k + 2]), ("x",)),
