@@ -456,8 +456,7 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
 @pytest.mark.parametrize("weighted", [False, True])
 def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
     """Pipeline-style placement: each layer, its Adam moments included, sharded over its own pair of devices.
-    The encoders, the residual search's proxy, the second moments' encoder and the weighting run one call per
-    device set (a jitted call takes arrays of one device set: such a save failed); each reconstruction stays on
+    The encoders, the second moments' encoder and the weighting run one call per device set (a jitted call takes arrays of one device set: such a save failed); each reconstruction stays on
     its layer's devices, so both layers continue their chains (one placed elsewhere made its leaf a keyframe at
     every save); restores land on each layer's devices."""
     import optax
@@ -466,8 +465,7 @@ def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
                                          jax.sharding.PartitionSpec("x")) for k in (0, 2)]
     rng = np.random.default_rng(0)
     w = [rng.normal(size=(64, 48)).astype(np.float32) * 0.05 for _ in stages]
-    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(weighted_residuals=weighted))
-    mngr = ocp.CheckpointManager(tmp_path, item_handlers=handler)
+    mngr = manager(tmp_path, weighted_residuals=weighted, optimizer="quantize")
     for step in range(3):
         w = [x + rng.normal(size=x.shape).astype(np.float32) * 2e-3 for x in w]
         params = {f"l{k}": {"kernel": jax.device_put(jnp.asarray(x), s)} for k, (x, s) in enumerate(zip(w, stages))}
@@ -484,3 +482,17 @@ def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
     for k, (x, s) in enumerate(zip(w, stages)):
         got = out["params"][f"l{k}"]["kernel"]
         assert got.sharding == s and rms(got, x) < 0.01
+
+
+def test_the_search_proxy_sums_over_device_sets():
+    """The residual search's proxy of tensors on disjoint device sets: per-set sums, combined on the host, equal to
+    the proxy of the same tensors on one device."""
+    rng = np.random.default_rng(0)
+    xs, ds, refs = ([rng.normal(size=(16, 8)).astype(np.float32) for _ in range(2)] for _ in range(3))
+    whole = float(ij.search.proxy_degradation(*(list(map(jnp.asarray, a)) for a in (xs, ds)), [None, None],
+                                              list(map(jnp.asarray, refs))))
+    sets = [jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[k:k + 2]), ("x",)),
+                                       jax.sharding.PartitionSpec("x")) for k in (0, 2)]
+    apart = [[jax.device_put(a, s) for a, s in zip(group, sets)] for group in (xs, ds, refs)]
+    split = float(ij.search.proxy_degradation(apart[0], apart[1], [None, None], apart[2]))
+    assert split == pytest.approx(whole, rel=1e-6) and 0 < whole
