@@ -410,8 +410,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
                                              sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
-        # One jitted call for every tensor places its outputs on the devices of all of them: a tensor kept on a
-        # device of its own goes back there, or the next save would find no reconstruction of its sharding.
+        # The next save takes a reconstruction only in its tensor's sharding (recon_offsets): one the kernel laid
+        # out otherwise is put back in it (dequantize_all runs per device set, so it stays on the tensor's devices).
         new_recon = [r if r.sharding.is_equivalent_to(x.sharding, x.ndim) else jax.device_put(r, x.sharding)
                      for r, x in zip(new_recon, xs)]
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
