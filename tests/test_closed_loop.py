@@ -453,7 +453,7 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
     assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= 8
 
 
-@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("weighted", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
     """Pipeline-style placement: each layer, its Adam moments included, sharded over its own pair of devices.
     The encoders, the second moments' encoder and the weighting run one call per device set (a jitted call takes arrays of one device set: such a save failed); each reconstruction stays on

@@ -95,6 +95,7 @@ def weightings(directory) -> dict:
             if "codes" in e.segments and e.segments["codes"].weighting is not None}
 
 
+@pytest.mark.slow  # (weighted_residuals is not the default; -m slow runs it)
 def test_a_weighted_residual_puts_its_error_where_the_second_moment_is_small(tmp_path):
     """The 2-D kernel's first 32 rows have 2^24 times the second moment of the others (M 2^6 smaller): weighted,
     at the same 4 levels, the others take about the level nearest 0 and their error is far above these rows',
@@ -142,6 +143,7 @@ def test_unweighted_when_switched_off_or_without_a_second_moment(tmp_path):
         ij.CompressionConfig(weighted_residuals=1)
 
 
+@pytest.mark.slow  # (weighted_residuals is not the default; -m slow runs it)
 def test_every_restore_of_a_weighted_chain_is_the_reconstruction_its_saver_held(tmp_path):
     """Whole and into shards (the weighting assembled from the shards' parts); saved from shards too; with a
     non-finite weight in a weighted link. (NumPy targets decode through the same chain kernel:
