@@ -34,6 +34,7 @@ sys.path.insert(0, HERE)
 import bench_fault_tolerance as ft  # noqa: E402
 import digits  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
+from residual_coding import entropy_bits  # noqa: E402
 
 from inshrink_jax import codec, quantize, search, weighting  # noqa: E402
 from inshrink_jax.config import CompressionConfig, QuantConfig  # noqa: E402
@@ -64,12 +65,6 @@ def second_moment(state):
     adam = [s for s in jax.tree_util.tree_leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "nu"))
             if hasattr(s, "nu")]
     return jax.tree.leaves(adam[0].nu)
-
-
-def entropy_bits(codes: np.ndarray) -> float:
-    _, counts = np.unique(codes, return_counts=True)
-    p = counts / counts.sum()
-    return float(-(p * np.log2(p)).sum() * codes.size)
 
 
 def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float):

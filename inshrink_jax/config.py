@@ -214,7 +214,7 @@ class CompressionConfig:
         small integer per index of each axis (weighting.py), and `residual_budget` bounds its squared error
         weighted by 1 / M^2: the error goes where the loss is flat. False (the default): every element weighted
         alike. Not the default: after 10 restores it moved along the default's frontier, not past it (on the
-        character transformer the same bytes and final loss; on the LSTM fine-tune 24% fewer parameter bytes
+        character transformer the same bytes and final loss; on the LSTM fine-tune 20% fewer parameter bytes
         and a worse final loss, and at half the budget the default's bytes and loss; docs/results.md).
       search: pick the configuration at every save under the quality budget `epsilon` (ALGORITHM.md step 5,
         docs/how-it-works.md); False saves every checkpoint with `quant`.

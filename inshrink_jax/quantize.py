@@ -546,7 +546,7 @@ def encode_on_device(
     # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
     # convolutions on one device and shard its dense layers). A host array goes wherever the others are.
     out: list[DeviceCodes | None] = [None] * len(xs)
-    for ts in device_units([xs[ix[0]] if len(ix) == 1 else _first_on_device(xs, ix) for ix in idx]):
+    for ts in device_units([[xs[i] for i in ix] for ix in idx]):
         results = _encode(
             [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
             [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
@@ -573,11 +573,6 @@ def map_by_device_set(f, xs: Sequence, *others: Sequence) -> list:
         for i, r in zip(ix, f([xs[i] for i in ix], *([o[i] for i in ix] for o in others))):
             out[i] = r
     return out
-
-
-def _first_on_device(xs: Sequence, ix: Sequence[int]):
-    """The first of `xs[ix]` that is a device array (a group's device set), else the first."""
-    return next((xs[i] for i in ix if isinstance(xs[i], jax.Array)), xs[ix[0]])
 
 
 def unstack(a: jax.Array) -> list[jax.Array]:

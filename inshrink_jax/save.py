@@ -353,16 +353,15 @@ def recon_offsets(p: Plan, cfg: CompressionConfig, chain: ItemState) -> list | N
 
 def residual_factors(p: Plan, cfg: CompressionConfig) -> list | None:
     """Per weight of a residual save (`p` after `with_small`), its weighting factors (weighting.py), or None
-    where it is not weighted: fewer than 2 dimensions, no second moment of its own in the state (as a device
-    array on the same devices), or `cfg.weighted_residuals` off. None when no weight is weighted."""
+    where it is not weighted: fewer than 2 dimensions, no second moment of its own shape in the state (as a
+    device array), or `cfg.weighted_residuals` off. The factors go to the devices of the weight they scale. None when no weight is weighted."""
     if not cfg.weighted_residuals:
         return None
     idx = []
     for k, i in enumerate(p.weights):
         j = p.second_of.get(i)
         x, nu = p.leaves[i], None if j is None else p.leaves[j]
-        if x.ndim >= 2 and isinstance(nu, jax.Array) and nu.shape == x.shape and \
-                nu.sharding.device_set == x.sharding.device_set:
+        if x.ndim >= 2 and isinstance(nu, jax.Array) and nu.shape == x.shape:
             idx.append((k, j))
     if not idx:
         return None
@@ -410,10 +409,6 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
                                              sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
-        # The next save takes a reconstruction only in its tensor's sharding (recon_offsets): one the kernel laid
-        # out otherwise is put back in it (dequantize_all runs per device set, so it stays on the tensor's devices).
-        new_recon = [r if r.sharding.is_equivalent_to(x.sharding, x.ndim) else jax.device_put(r, x.sharding)
-                     for r, x in zip(new_recon, xs)]
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
     # its previous value, not a zero).
     prune = [devs[k].codes if k is not None and devs[k].offset is None else None

@@ -417,9 +417,10 @@ class Evaluator:
                  residual: bool = False, factors: Sequence | None = None):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
         self.factors = factors  # a residual save's weighting (weighting.py), None: unweighted
-        # The proxy's weights of a residual: 1 / M (the squared error the weighted coding spends evenly), else 1.
-        self.residual_weights = None if not residual else [None] * len(self.quant_idx) if factors is None else \
-            quantize.map_by_device_set(weighting.inverse_multipliers, list(factors))
+        # The proxy's weights of a residual (scored without eval_fn): 1 / M (the squared error the weighted coding
+        # spends evenly), else 1.
+        self.residual_weights = None if not residual or eval_fn is not None else [None] * len(self.quant_idx) \
+            if factors is None else quantize.map_by_device_set(weighting.inverse_multipliers, list(factors))
         self.xs = [leaves[i] for i in self.quant_idx]
         self.offsets = offsets
         self.references = list(offsets) if residual else None  # the proxy's reference (closed-loop residuals)
