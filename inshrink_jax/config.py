@@ -158,10 +158,6 @@ ENTROPY_RESIDUAL_SPACE = SearchSpace(bins=(14,), embedding_bins=(14,), prune_fra
 # wrote 15-24% fewer bytes on three workloads with no loss, but ended the LSTM fine-tune outside its noise).
 RESIDUAL_PER_EPSILON = 20.0
 MOMENT_PER_EPSILON = 10.0
-# A residual save's eval_fn check, per unit of epsilon: the share of the last interval's progress a restore may
-# cost (0.25 at the default epsilon), and the most it may cost whatever that progress (10 epsilon).
-PROGRESS_PER_EPSILON = 25.0
-PROGRESS_CAP_PER_EPSILON = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,18 +206,9 @@ class CompressionConfig:
         The error a save leaves is carried
         into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
         interval's change of the weights: the knob of the residual saves' size (smaller: more levels or less
-        pruning, more bytes). With an eval_fn the choice is also checked against `residual_tolerance` (epsilon,
-        or more while training makes fast progress: `progress_share`). When no configuration meets it,
+        pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
         the least aggressive one is taken: a residual save is never lossless. In [0, 1]; None (the default):
         `RESIDUAL_PER_EPSILON` (20) times `epsilon`, at most 1 (0.2 at the default epsilon).
-      progress_share: with an eval_fn, a closed-loop residual save's choice may degrade the eval metric by this
-        share of the last interval's progress (the relative improvement of the uncompressed state's eval_fn
-        value since the previous save, measured on the same eval_fn), when that is more than `epsilon`, and by
-        at most `PROGRESS_CAP_PER_EPSILON` (10) times `epsilon` (a bound for an eval_fn that changed between
-        saves): a restore then costs at most that share of one interval's training, which early in training,
-        when one interval's change is large, is more than epsilon, and as training converges falls back to
-        epsilon by itself (`residual_tolerance`). In [0, 1]; 0: epsilon alone; None (the default):
-        `PROGRESS_PER_EPSILON` (25) times `epsilon`, at most 1 (0.25 at the default epsilon).
       weighted_residuals: a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
         moment of its shape in the state (Adam's `nu`) is coded as r / M with M about nu^(-1/4), stored as one
         small integer per index of each axis (weighting.py), and `residual_budget` bounds its squared error
@@ -296,7 +283,6 @@ class CompressionConfig:
     optimizer: str = "quantize"
     moment_bins: int | None = None
     moment_budget: float | None = None
-    progress_share: float | None = None
     policy_rules: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -310,23 +296,6 @@ class CompressionConfig:
         """What first moments are coded within: `moment_budget`, or `MOMENT_PER_EPSILON * epsilon` (at most 1)
         when it is None."""
         return _following(self.moment_budget, MOMENT_PER_EPSILON * self.epsilon)
-
-    @property
-    def effective_progress_share(self) -> float:
-        """The share of the last interval's progress a residual save may cost: `progress_share`, or
-        `PROGRESS_PER_EPSILON * epsilon` (at most 1) when it is None."""
-        return _following(self.progress_share, PROGRESS_PER_EPSILON * self.epsilon)
-
-    def residual_tolerance(self, progress: float | None) -> float:
-        """The largest relative degradation of eval_fn a closed-loop residual save's choice is accepted at, given
-        `progress`, the relative improvement of the uncompressed state's eval_fn value since the previous save
-        (None when unknown: the first residual save after a keyframe whose value was not measured): `epsilon`,
-        or `effective_progress_share * progress` when that is larger, at most `PROGRESS_CAP_PER_EPSILON *
-        epsilon`."""
-        if progress is None or not math.isfinite(progress):
-            return self.epsilon
-        return max(self.epsilon, min(PROGRESS_CAP_PER_EPSILON * self.epsilon,
-                                     self.effective_progress_share * progress))
 
     @property
     def effective_moment_bins(self) -> int:
@@ -357,8 +326,7 @@ class CompressionConfig:
             _real(name, getattr(self, name), lo, hi, closed)
         if self.moment_bins is not None:
             _integer("moment_bins", self.moment_bins, 2, 127)
-        for name, hi in (("residual_budget", 1.0), ("moment_budget", 1.0), ("proxy_budget", math.inf),
-                         ("progress_share", 1.0)):
+        for name, hi in (("residual_budget", 1.0), ("moment_budget", 1.0), ("proxy_budget", math.inf)):
             if getattr(self, name) is not None:
                 _real(name, getattr(self, name), 0.0, hi, True)
         for name, lo, hi in (("kmeans_iters", 0, None), ("kmeans_restarts", 1, None), ("min_compress_size", 0, None),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import re
 import time
 import warnings
@@ -66,8 +65,6 @@ class ItemState:
       recon: closed loop: leaf key path -> the parameter as a restore of `object_id` gives it, on the device(s)
         with the leaf's sharding: what the next save's residuals are taken against.
       depth: closed loop: links of `object_id`'s chain after its keyframe (0: it is a keyframe).
-      baseline: eval_fn's value for the uncompressed state at `object_id`'s save (None: not measured, or not a
-        finite number): the next residual save's tolerance grows with the progress since (`search.choose`).
     (A closed-loop residual save searches afresh every time: its proxy needs no eval_fn call, and the
     residual's statistics change from save to save.)
     """
@@ -77,7 +74,6 @@ class ItemState:
     quant: QuantConfig | str | None = None
     recon: Mapping = dataclasses.field(default_factory=dict)
     depth: int = 0
-    baseline: float | None = None
 
     def choices(self) -> "ItemState":
         """Only the search's choice (a state without anything to build on: the next save is a keyframe)."""
@@ -97,14 +93,7 @@ def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
         quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
     if isinstance(rec, dict) and rec.get("coding") == RESIDUAL:
         quant = None  # the keyframes' search starts afresh
-    return ItemState(reader.object_id, codes, quant, dict(recon), reader.chain_depth, measured_baseline(rec))
-
-
-def measured_baseline(record) -> float | None:
-    """The eval_fn value of the uncompressed state a save's search record holds, when it is a finite number."""
-    value = record.get("baseline") if isinstance(record, dict) else None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if ok else None
+    return ItemState(reader.object_id, codes, quant, dict(recon), reader.chain_depth)
 
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -398,8 +387,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     xs = [p.leaves[i] for i in p.weights]
     layer_types = [p.records[i].layer_type for i in p.weights]
     previous = None if residual else chain.quant
-    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors,
-                                                   chain.baseline if residual else None)
+    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors)
     if closed and isinstance(search_record, dict):
         search_record["coding"] = RESIDUAL if residual else KEYFRAME
     recs = list(p.records)
@@ -449,7 +437,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     new_recon = new_recon + [jnp.copy(p.leaves[i]) for i in small]
     after = dict(quant=chain.quant if residual else choice,
                  recon={p.records[i].keystr: r for i, r in zip(p.weights + small, new_recon)},
-                 depth=chain.depth + 1 if residual else 0, baseline=measured_baseline(search_record))
+                 depth=chain.depth + 1 if residual else 0)
     return Dispatched(recs, quantized, devs, shards, manifest, started, time.perf_counter() - started,
                       chain.object_id if residual else None, after)
 
@@ -494,18 +482,17 @@ def check_eval_fn(cfg: CompressionConfig, eval_fn) -> None:
 
 
 def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, residual: bool = False,
-              factors: list | None = None, previous_baseline: float | None = None):
+              factors: list | None = None):
     """(configuration or None for lossless, its encoded leaves if the search made them, the search's record,
     the choice the next save's search starts from). `residual`: a closed-loop residual save (the search runs
-    over `cfg.residual_space`), its weights weighted by `factors` (`residual_factors`), its eval_fn check
-    relative to `previous_baseline` (`ItemState.baseline`)."""
+    over `cfg.residual_space`), its weights weighted by `factors` (`residual_factors`)."""
     if not p.weights:
         return cfg.quant, None, {"mode": "none (no compressed leaves)"}, previous
     if not cfg.search:
         return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
-                                    previous, offsets, residual, factors, previous_baseline)
+                                    previous, offsets, residual, factors)
     if outcome.mode == search.UNMEASURED:
         warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
                       "cannot be measured: this save stores the parameters losslessly, and the next save "

@@ -486,7 +486,7 @@ class Evaluator:
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
            cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None,
            offsets: Sequence | None = None, residual: bool = False,
-           factors: Sequence | None = None, previous_baseline: float | None = None) -> tuple[Outcome, dict]:
+           factors: Sequence | None = None) -> tuple[Outcome, dict]:
     """Run the search for one save; returns the outcome and its record for the manifest (chosen
     configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds).
     `offsets` (per quantized leaf, None or its base weight) are passed to the encoder: those leaves are
@@ -496,10 +496,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     `cfg.residual_space` with the data-free proxy against the residual (`proxy_degradation` with the offsets
     as references, weighted by `factors`: weighting.py) under `cfg.effective_residual_budget`: no eval_fn call
     per candidate. With an eval_fn, the chosen
-    candidate is then measured once; if it degrades by more than `cfg.residual_tolerance(progress)`, the least
-    aggressive residual configuration and finer ones are measured (`_guard`); `progress` is the relative
-    improvement of eval_fn from `previous_baseline` (its value for the uncompressed state at the previous save,
-    None when unknown) to this save's. A residual save is never lossless:
+    candidate is then measured once; if it degrades by more than `cfg.epsilon`, the least aggressive residual
+    configuration is measured and taken unless it measured worse (`_guard`). A residual save is never lossless:
     when no configuration meets the budget, the least aggressive one is taken (mode "least aggressive"). Any
     other save whose search space has nothing within its budget tries a fine uniform quantizer before the
     parameters are stored losslessly (`_fine_keyframe`).
@@ -526,7 +524,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True,
                         factors=factors) \
         if residual and eval_fn is not None else evaluator
-    proxy = progress = None
+    proxy = None
     if eval_fn is not None and not math.isfinite(checker.measure_baseline()):
         outcome = Outcome(None, 0.0, UNMEASURED)
     else:
@@ -544,9 +542,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
             outcome = _fine_keyframe(evaluator, outcome, budget, top)
         if checker is not evaluator:
             proxy = outcome.degradation
-            if previous_baseline is not None and math.isfinite(previous_baseline):
-                progress = checker.degradation(previous_baseline)  # how much worse the previous state measured
-            outcome = _guard(checker, outcome, top, cfg.residual_tolerance(progress), cfg.bins_capacity)
+            outcome = _guard(checker, outcome, top, cfg.epsilon, cfg.bins_capacity)
         _check_eval_fn(checker, cfg.epsilon if eval_fn is not None else budget)
     record = {
         "mode": outcome.mode,
@@ -570,16 +566,14 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     if proxy is not None:
         record["proxy"] = proxy
         record["epsilon"] = cfg.epsilon
-        record["progress"] = progress
-        record["tolerance"] = cfg.residual_tolerance(progress)
     return outcome, record
 
 
-def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, tolerance: float, capacity: int) -> Outcome:
+def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: float, capacity: int) -> Outcome:
     """A residual save's choice measured with the eval_fn (its `degradation` becomes the measured one); over
-    `tolerance`, the least aggressive residual configuration `top`, then finer ones beyond the residual space
-    (twice and four times its levels, embedding tables too, up to the encoder's `capacity`), each measured, until
-    one is within `tolerance` (mode "guarded"). When none is, the best measured is taken, never lossless: its error is a
+    `epsilon`, the least aggressive residual configuration `top`, then finer ones beyond the residual space (twice
+    and four times its levels, embedding tables too, up to the encoder's `capacity`), each measured, until one is
+    within `epsilon` (mode "guarded"). When none is, the best measured is taken, never lossless: its error is a
     fraction of one interval's change and the next save's residual carries it, whereas a lossless save costs the
     whole tensor (and on a small loss, eval_fn differences of that size may be noise). The finer levels serve
     the saves where one interval's change is large against what the model tolerates: early in a fine-tune of
@@ -591,7 +585,7 @@ def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, tolerance: 
     ladder = ([] if outcome.quant == top else [top]) + [_finer(top, f) for f in (2, 4)
                                                         if top.rate or top.bins * f <= capacity]
     for q in ladder:
-        if best.degradation <= tolerance:
+        if best.degradation <= epsilon:
             break
         [(dq, pq)] = checker([q])
         evaluations, rounds = best.evaluations + 1, best.rounds + 1

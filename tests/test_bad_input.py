@@ -160,7 +160,6 @@ def test_empty_containers_survive_a_restore_without_target(tmp_path):
     (dict(epsilon="0.1"), TypeError, "epsilon must be a real number"),
     (dict(epsilon=float("nan")), ValueError, "epsilon is NaN"),
     (dict(proxy_budget=float("nan")), ValueError, "proxy_budget is NaN"),
-    (dict(progress_share=1.5), ValueError, "progress_share"),
     (dict(min_compress_size=-5), ValueError, "min_compress_size must be an int in"),
     (dict(policy_rules=(("(", "drop"),)), ValueError, r"policy_rules: '\(' is not a regular expression"),
     (dict(keyframe_every=2.0), TypeError, "keyframe_every must be an int"),

@@ -453,55 +453,6 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
     assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= 8
 
 
-def test_residual_tolerance_follows_progress_within_epsilon_and_its_cap():
-    """epsilon, or the progress share of the last interval's relative improvement when that is larger, at most
-    10 epsilon; unknown, non-finite or negative progress (the eval metric got worse): epsilon."""
-    cfg = ij.CompressionConfig()
-    assert cfg.effective_progress_share == 0.25
-    assert [cfg.residual_tolerance(p) for p in (None, float("nan"), -0.5, 0.0, 0.02, 0.2, 0.4, 3.0)] == \
-        pytest.approx([0.01, 0.01, 0.01, 0.01, 0.01, 0.05, 0.1, 0.1])
-    assert ij.CompressionConfig(progress_share=0.0).residual_tolerance(0.9) == 0.01
-    loose = ij.CompressionConfig(epsilon=0.05)  # the share follows epsilon, at most 1
-    assert (loose.effective_progress_share, loose.residual_tolerance(0.3), loose.residual_tolerance(1.0)) == \
-        pytest.approx((1.0, 0.3, 0.5))
-
-
-@pytest.mark.parametrize("share, levels, expect_guarded", [(None, (2.0, 1.0), False), (0.0, (2.0, 1.0), True),
-                                                          (None, (1.0, 2.0), True)])
-def test_a_residual_save_after_fast_progress_may_cost_a_share_of_it(tmp_path, share, levels, expect_guarded):
-    """The eval metric of the uncompressed state halved since the previous save (progress 100%): the residual
-    save's choice may degrade it by up to 10 epsilon (0.25 of the progress, capped), so the residual space's
-    choice, which degrades by more than epsilon, is kept; with progress_share=0 (epsilon alone), or when the metric
-    got worse instead, the save goes finer until within epsilon. The previous value comes from the restored step's
-    manifest: the second save runs in a new manager that restored the first."""
-    states = list(walk(8, 2))
-    target = {"i": 0}
-
-    def quality(s):  # the level of this step, times 1 + twice the relative error against the state being saved
-        w = states[target["i"]]["w"]
-        return levels[target["i"]] * (1.0 + 2.0 * float(jnp.mean(jnp.abs(s["w"] - w)) / jnp.mean(jnp.abs(w))))
-
-    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), progress_share=share)
-    mngr.save(0, args=ij.InshrinkSave(states[0], eval_fn=quality))
-    mngr.wait_until_finished()
-    assert mngr.item_metadata(0)["search"]["baseline"] == levels[0]
-    mngr.close()
-    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), progress_share=share)
-    mngr.restore(0, args=ij.InshrinkRestore(states[0]))
-    target["i"] = 1
-    mngr.save(1, args=ij.InshrinkSave(states[1], eval_fn=quality))
-    mngr.wait_until_finished()
-    rec = mngr.item_metadata(1)["search"]
-    assert rec["coding"] == "residual" and rec["progress"] == pytest.approx(levels[0] / levels[1] - 1.0)
-    assert rec["tolerance"] == pytest.approx(0.01 if expect_guarded else 0.1)
-    if expect_guarded:
-        assert rec["mode"] == "guarded" and rec["degradation"] <= 0.01 and rec["chosen"]["bins"] > 8
-    else:
-        assert rec["mode"] != "guarded" and 0.01 < rec["degradation"] <= 0.1 and rec["chosen"]["bins"] <= 8
-    restored = mngr.restore(1, args=ij.InshrinkRestore(states[1]))
-    assert quality(restored) / levels[1] - 1.0 == pytest.approx(rec["degradation"], rel=1e-5)
-
-
 @pytest.mark.parametrize("weighted", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
     """Pipeline-style placement: each layer, its Adam moments included, sharded over its own pair of devices.
