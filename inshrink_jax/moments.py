@@ -158,15 +158,17 @@ def encode_on_device(ms: Sequence[jax.Array], cfg: CompressionConfig,
 # its ratio and histogram (compiled per shape), the choice of cell width on that histogram (whose shape is the
 # sketch's: compiled once), its codes (per shape).
 @functools.partial(jax.jit, static_argnames=("spec",))
-def _ratio(m, s, wc, *, spec):
+def _ratio(m, s, wc, prunes, *, spec):
     """(ratio, 0 where not quantized; exact zeros; values stored exactly; the ratio's histogram) of a first
-    moment `m` relative to sqrt(`s`) (None: 1), with the codes `wc` of its weight (None: not pruned)."""
+    moment `m` relative to sqrt(`s`) (None: 1), with the codes `wc` of its weight (None: not pruned), whose pruned
+    entries are zeros of the moment where the traced bool `prunes` is true (a keyframe's codes; a closed-loop
+    residual's are not: traced, so both kinds of save run one compiled kernel)."""
     m32 = m.astype(jnp.float32)
     # Zero from the bits: XLA's CPU backend flushes subnormals to 0 in comparisons, and a subnormal moment must
     # not become 0.
     zero = (jax.lax.bitcast_convert_type(m32, jnp.int32) & 0x7FFFFFFF) == 0
     if wc is not None:
-        zero = zero | (wc == PRUNED)
+        zero = zero | ((wc == PRUNED) & prunes)
     if s is None:
         r, exact = m32, ~jnp.isfinite(m32)
     else:
@@ -211,7 +213,8 @@ def _codes(m, r, zero, exact, levels, cells, width):
 
 
 def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array | None],
-                           weight_codes: Sequence[jax.Array | None], cfg: CompressionConfig) -> list[DeviceCodes]:
+                           weight_codes: Sequence[jax.Array | None], cfg: CompressionConfig,
+                           prunes: Sequence[bool] | None = None) -> list[DeviceCodes]:
     """Quantize first moments relative to their second moments (see the module docstring), dispatched and not
     waited for.
 
@@ -222,6 +225,9 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
       weight_codes: for each, the codes of its weight at this save (its zeros where the weight was pruned are
         zeros of the moment), or None.
       cfg: its `effective_moment_budget`.
+      prunes: for each, whether its weight's pruned codes prune it (None: all do). False for the codes of a
+        closed-loop residual, whose pruned entries keep the weight's previous value: passed anyway, so a
+        residual save runs the kernels a keyframe compiled.
 
     Returns:
       One `DeviceCodes` per moment: `centres` the cells' levels in `FIRST_CAPACITY` slots (the first `bins`
@@ -232,9 +238,12 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
                          "None) per moment")
     if not ms:
         return []
+    prunes = [True] * len(ms) if prunes is None else list(prunes)
+    if len(prunes) != len(ms):
+        raise ValueError("moments.encode_first_on_device needs one prunes flag per moment")
     out = []
-    for m, s, wc in zip(ms, scales, weight_codes):
-        r, zero, exact, hist = _ratio(m, s, wc, spec=RATIO_SKETCH)
+    for m, s, wc, pr in zip(ms, scales, weight_codes, prunes):
+        r, zero, exact, hist = _ratio(m, s, wc, np.bool_(pr), spec=RATIO_SKETCH)
         levels, cells, width = _widths(hist, np.float32(cfg.effective_moment_budget), spec=RATIO_SKETCH)
         codes, table, in_place = _codes(m, r, zero, exact, levels, cells, width)
         out.append(DeviceCodes(codes, table, in_place, cells, scale=s))

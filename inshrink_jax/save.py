@@ -410,9 +410,10 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
                                              sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
-    # its previous value, not a zero).
-    prune = [devs[k].codes if k is not None and devs[k].offset is None else None
-             for k in (p.owners if weights else [None] * len(p.moments))]
+    # its previous value, not a zero; its codes are passed with prunes False, so the kernels are a keyframe's).
+    owners = p.owners if weights else [None] * len(p.moments)
+    prune = [None if k is None else devs[k].codes for k in owners]
+    prunes = [k is not None and devs[k].offset is None for k in owners]
     seconds = [k for k, f in enumerate(p.first) if not f]
     firsts = [k for k, f in enumerate(p.first) if f]
     second_devs = moments.encode_on_device([p.leaves[p.moments[k]] for k in seconds], cfg)
@@ -424,7 +425,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     first_devs = moments.encode_first_on_device(
         [p.leaves[p.moments[k]] for k in firsts],
         [None if (j := p.scales[k]) is None else restored.get(j, p.leaves[j]) for k in firsts],
-        [prune[k] for k in firsts], cfg)
+        [prune[k] for k in firsts], cfg, [prunes[k] for k in firsts])
     devs = list(devs) + second_devs + first_devs
     quantized = list(weights) + [p.moments[k] for k in seconds + firsts]
     shards = _device_shards(quantized, [p.leaves[i] for i in quantized], devs)

@@ -86,6 +86,24 @@ def test_first_moment_of_a_pruned_weight_is_pruned_with_it():
     np.testing.assert_array_equal(r == 0, np.asarray(codes) == 0)
 
 
+def test_a_residuals_codes_do_not_prune_a_first_moment():
+    """A closed-loop residual's codes are passed with prunes=False (so a residual save runs the kernel a keyframe
+    compiled): the moment is coded exactly as without codes, bit for bit."""
+    rng = np.random.default_rng(1)
+    mu = rng.standard_normal((64, 32)).astype(np.float32)
+    nu = jnp.asarray(rng.uniform(0.5, 2.0, size=mu.shape).astype(np.float32))
+    codes = jnp.asarray(rng.integers(0, 5, size=mu.shape).astype(np.uint8))
+    cfg = ij.CompressionConfig()
+    with_codes, = moments.encode_first_on_device([jnp.asarray(mu)], [nu], [codes], cfg, [False])
+    without, = moments.encode_first_on_device([jnp.asarray(mu)], [nu], [None], cfg)
+    for a, b in ((with_codes.codes, without.codes), (with_codes.centres, without.centres),
+                 (with_codes.bins, without.bins)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.any(np.asarray(codes) == 0) and not np.any(np.asarray(with_codes.codes) == 0)
+    with pytest.raises(ValueError, match="one prunes flag per moment"):
+        moments.encode_first_on_device([jnp.asarray(mu)], [nu], [codes], cfg, [False, True])
+
+
 @hypothesis.settings(deadline=None, max_examples=20)
 @hypothesis.given(st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.02, 0.1, 0.3, 1.0]), st.floats(0.0, 0.5),
                   st.sampled_from(["float32", "bfloat16", "float16"]), st.booleans())
