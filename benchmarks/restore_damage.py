@@ -14,7 +14,10 @@ streams (`codec.CODE_CODECS`), over every parameter of 64 or more elements; erro
 
 The library coders run the jitted encoder at fixed configurations: k-means levels with half the residual pruned
 (the default residual space's usual choice), the five-cell uniform quantizer (`QuantConfig.step`), each without
-and with the second-moment weighting. Rows marked "NumPy" are a reference coder that is not in the library: a
+and with the second-moment weighting; k-means at 3 and 8 levels for the slope of damage against error; and
+"unbiased levels": the 4- and 3-level codes with their decoded residual scaled per tensor so that its regression on
+the residual has slope 1 (k-means levels shrink a coarse residual, so a closed-loop reconstruction lags the
+weights' consistent drift; scaled, it does not, at a larger squared error). Rows marked "NumPy" are a reference coder that is not in the library: a
 uniform quantizer with unbounded cells (order-0 entropy of its integer codes as bits), unweighted, weighted by the
 same separable scale as the library, and weighted per element by nu^(1/4) (a decoder would need the second moment
 of the same save for that).
@@ -52,6 +55,10 @@ def uniform(step):
 
 LIBRARY = {"k-means 4 levels, half pruned": (k_means(4, 0.5), False),
            "k-means 4 levels, half pruned, weighted": (k_means(4, 0.5), True),
+           "k-means 4 levels, half pruned, unbiased levels": (k_means(4, 0.5), "unbiased"),
+           "k-means 3 levels, half pruned": (k_means(3, 0.5), False),
+           "k-means 3 levels, half pruned, unbiased levels": (k_means(3, 0.5), "unbiased"),
+           "k-means 8 levels, none pruned": (k_means(8, 0.0), False),
            "uniform 5 cells of 1.5 RMS": (uniform(1.5), False),
            "uniform 5 cells of 1.5 RMS, weighted": (uniform(1.5), True),
            "uniform 5 cells of 2 RMS, weighted": (uniform(2.0), True)}
@@ -59,6 +66,18 @@ REFERENCE = {"NumPy uniform, cells of 1.5 RMS": ("none", 1.5),
              "NumPy uniform, cells of 1.5 RMS, weighted (separable, as the library)": ("separable", 1.5),
              "NumPy uniform, cells of 1.5 RMS, weighted per element": ("element", 1.5),
              "NumPy uniform, cells of 2 RMS, weighted per element": ("element", 2.0)}
+
+
+def unbiased(x, offset, decoded):
+    """The decoded residual q scaled per tensor by sum(r^2) / sum(r q) (r = x - offset), so that its regression on
+    the residual has slope 1: k-means levels are conditional means, which shrink a coarse residual (slope
+    1 - error), and in a closed loop the reconstruction then lags the weights by (1 - slope) / slope of an
+    interval's consistent change. Not a library coder: it tests whether that lag, rather than the squared error,
+    is what a restore costs (the codes are the library's; only the levels are scaled)."""
+    r = np.asarray(x, np.float64) - np.asarray(offset, np.float64)
+    q = np.asarray(decoded, np.float64) - np.asarray(offset, np.float64)
+    c = float((r * r).sum() / max((r * q).sum(), 1e-300))
+    return jax.numpy.asarray(np.asarray(offset, np.float64) + c * q, x.dtype)
 
 
 def second_moment(state):
@@ -115,8 +134,11 @@ def main(argv=None):
             if name in LIBRARY:
                 quant, weighted = LIBRARY[name]
                 devs = quantize.encode_on_device(xs, [None] * len(xs), types, quant, cfg, offsets=offs,
-                                                 sigma=quantize.RESIDUAL_SIGMA, factors=factors if weighted else None)
+                                                 sigma=quantize.RESIDUAL_SIGMA,
+                                                 factors=factors if weighted is True else None)
                 new = quantize.dequantize_all(devs, [x.dtype for x in xs])
+                if weighted == "unbiased":
+                    new = [unbiased(x, o, v) for x, o, v in zip(xs, offs, new)]
                 bits[name].append(sum(8 * len(codec.compress_best(np.asarray(d.codes), codec.CODE_CODECS,
                                                                   codec.CODE_LEVEL)[0]) for d in devs) / n)
             else:
