@@ -20,7 +20,8 @@ the residual has slope 1 (k-means levels shrink a coarse residual, so a closed-l
 weights' consistent drift; scaled, it does not, at a larger squared error). Rows marked "NumPy" are a reference coder that is not in the library: a
 uniform quantizer with unbounded cells (order-0 entropy of its integer codes as bits), unweighted, weighted by the
 same separable scale as the library, and weighted per element by nu^(1/4) (a decoder would need the second moment
-of the same save for that).
+of the same save for that), or by the per-element scale of an earlier save kept for the saves after it (the
+first residual save's, or renewed every 8 saves: what a decoder could read once per chain).
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ LIBRARY = {"k-means 4 levels, half pruned": (k_means(4, 0.5), False),
 REFERENCE = {"NumPy uniform, cells of 1.5 RMS": ("none", 1.5),
              "NumPy uniform, cells of 1.5 RMS, weighted (separable, as the library)": ("separable", 1.5),
              "NumPy uniform, cells of 1.5 RMS, weighted per element": ("element", 1.5),
-             "NumPy uniform, cells of 2 RMS, weighted per element": ("element", 2.0)}
+             "NumPy uniform, cells of 2 RMS, weighted per element": ("element", 2.0),
+             "NumPy uniform, cells of 1.5 RMS, per element, the first residual save's map": ("first", 1.5),
+             "NumPy uniform, cells of 1.5 RMS, per element, the map renewed every 8 saves": ("every8", 1.5)}
+# Per tensor, the per-element scale a "first" / "every8" coder keeps (a decoder would store it once per chain
+# instead of needing every link's second moment): [scale, saves coded with it].
+MAPS: dict = {}
 
 
 def unbiased(x, offset, decoded):
@@ -86,11 +92,23 @@ def second_moment(state):
     return jax.tree.leaves(adam[0].nu)
 
 
-def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float):
-    """(decoded residual, bits) of the NumPy reference coder."""
-    if kind == "element" and nu.max() > 0:
-        m = np.maximum(nu, nu.max() * 2.0 ** -48) ** -0.25
-        m = m / np.exp(np.mean(np.log(m)))
+def element_scale(nu: np.ndarray) -> np.ndarray:
+    """nu^(-1/4) per element (floored at 2^-48 of the largest), normalised to geometric mean 1."""
+    m = np.maximum(nu, nu.max() * 2.0 ** -48) ** -0.25
+    return m / np.exp(np.mean(np.log(m)))
+
+
+def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float, leaf=None):
+    """(decoded residual, bits) of the NumPy reference coder; `leaf` names the tensor whose kept map a "first" or
+    "every8" coder uses."""
+    if kind in ("first", "every8") and nu.max() > 0:
+        kept = MAPS.get((kind, leaf))
+        if kept is None or (kind == "every8" and kept[1] >= 8):
+            kept = MAPS[(kind, leaf)] = [element_scale(nu), 0]
+        kept[1] += 1
+        m = kept[0]
+    elif kind == "element" and nu.max() > 0:
+        m = element_scale(nu)
     elif kind == "separable" and fs is not None:
         m = np.exp2(weighting.exponents_host([np.asarray(f) for f in fs]).astype(np.float64))
     else:
@@ -146,7 +164,7 @@ def main(argv=None):
                 new, b = [], 0.0
                 for i, x, o, f in zip(idx, xs, offs, factors):
                     d, bi = reference_code(np.asarray(x, np.float64) - np.asarray(o, np.float64),
-                                           np.asarray(nus[i], np.float64), f, kind, step_)
+                                           np.asarray(nus[i], np.float64), f, kind, step_, i)
                     new.append(jax.numpy.asarray(np.asarray(o, np.float64) + d, x.dtype))
                     b += bi
                 bits[name].append(b / n)
