@@ -194,8 +194,6 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
                     d = dataclasses.replace(d, blocking=blocking)
                 result.set_result(await save.write(d, directory, object_id, state, cfg, process, count,
                                                    primary, self._threads, self._save_bytes))
-                if d.warm is not None:  # the next (residual) save's encoder, compiled while training goes on
-                    d.warm()
             except BaseException as e:
                 result.set_exception(e)
                 raise

@@ -349,8 +349,6 @@ def buckets(*columns: Sequence) -> tuple[tuple[int, ...], ...]:
     in every column, where each column gives one entry per tensor: an array (alike: the same shape, dtype and
     sharding), None, or a hashable value (alike: equal). In order of first appearance."""
     def sig(a):
-        if isinstance(a, jax.ShapeDtypeStruct):  # an abstract array (`compile_encoder`): as the array it stands for
-            return a.shape, jnp.dtype(a.dtype), a.sharding
         if not isinstance(a, (jax.Array, np.ndarray)):
             return a
         try:
@@ -513,34 +511,6 @@ def encode_on_device(
       One `DeviceCodes` per input, in order. Nothing is waited for: the work is dispatched, and the results
       are futures until read; nothing reads `xs` after this returns.
     """
-    offsets, factors, idx, kinds, bins = _prepare(xs, gs, layer_types, quant, cfg, offsets, factors)
-    out: list[DeviceCodes | None] = [None] * len(xs)
-    for ts, args, kwargs in _encode_calls(xs, gs, offsets, factors, quant, cfg, key, sigma, idx, kinds, bins):
-        results = _encode(*args, **kwargs)
-        for t, per_bucket in zip(ts, results):
-            for b, stacks in zip(kinds[t].buckets, per_bucket):
-                for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
-                    i = idx[t][b[j]]
-                    out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i], factors=factors[i])
-    return out  # type: ignore[return-value]
-
-
-def compile_encoder(xs: Sequence, gs: Sequence, layer_types: Sequence[str], quant: QuantConfig,
-                    cfg: CompressionConfig, offsets: Sequence | None = None, sigma: float | None = None,
-                    factors: Sequence | None = None) -> None:
-    """Compile, without running anything, the kernels `encode_on_device` would run for these arguments, given as
-    abstract arrays (`jax.ShapeDtypeStruct` with the arrays' shardings): a later call with arrays of those
-    shapes, dtypes and shardings and a configuration of the same kind (`Kind`: levels, uniform cells or
-    entropy-constrained levels; protection or not) finds them compiled (JAX's compilation cache, and the
-    persistent one when it is on). `save.warm_residual_encoder` calls it for the residual saves after a
-    keyframe, off the training loop's and the save's threads."""
-    offsets, factors, idx, kinds, bins = _prepare(xs, gs, layer_types, quant, cfg, offsets, factors)
-    for _, args, kwargs in _encode_calls(xs, gs, offsets, factors, quant, cfg, None, sigma, idx, kinds, bins):
-        _encode.lower(*args, **kwargs).compile()
-
-
-def _prepare(xs, gs, layer_types, quant, cfg, offsets, factors):
-    """The checked arguments of `encode_on_device` and the layer types' tensors (`idx`), `Kind`s and bins."""
     offsets = [None] * len(xs) if offsets is None else list(offsets)
     factors = [None] * len(xs) if factors is None else list(factors)
     if not (len(xs) == len(gs) == len(layer_types) == len(offsets) == len(factors)):
@@ -548,6 +518,7 @@ def _prepare(xs, gs, layer_types, quant, cfg, offsets, factors):
                          "of weighting factors (or None) per tensor")
     if any(f is not None and offsets[i] is None for i, f in enumerate(factors)):
         raise ValueError("weighting factors apply to residuals only: a weighted tensor needs an offset")
+    spec = sketch.SketchSpec(cfg.alpha)
     # The tensors of one layer type share a prune threshold; a type whose tensors are on different device sets
     # (layers placed on different devices, as in pipeline parallelism) is split by device set, each part with a
     # threshold of its own: one jitted call takes arrays of one device set.
@@ -572,25 +543,26 @@ def _prepare(xs, gs, layer_types, quant, cfg, offsets, factors):
         kinds.append(Kind(buckets(gxs, ggs, goffs, weighted, prunable, out_dtypes), prunable, out_dtypes, capacity,
                           b if quant.rate > 0 else 0, kind == "embedding"))
         bins.append(b)
-    return offsets, factors, idx, kinds, bins
-
-
-def _encode_calls(xs, gs, offsets, factors, quant, cfg, key, sigma, idx, kinds, bins):
-    """(layer types, arguments, static arguments) of each `_encode` call of `encode_on_device`: one call for the
-    layer types whose tensors are on the same devices (a state may keep, say, its convolutions on one device and
-    shard its dense layers). A host array goes wherever the others are."""
+    # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
+    # convolutions on one device and shard its dense layers). A host array goes wherever the others are.
+    out: list[DeviceCodes | None] = [None] * len(xs)
     for ts in device_units([[xs[i] for i in ix] for ix in idx]):
-        args = ([[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
-                [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
-                [np.int32(bins[t]) for t in ts],
-                np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
-                np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
-                [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts])
-        kwargs = dict(kinds=tuple(kinds[t] for t in ts), spec=sketch.SketchSpec(cfg.alpha),
-                      sigma=cfg.sigma if sigma is None else sigma,
-                      iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts,
-                      uniform=quant.step > 0, protects=quant.protect_fraction > 0)
-        yield ts, args, kwargs
+        results = _encode(
+            [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
+            [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
+            [np.int32(bins[t]) for t in ts],
+            np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
+            np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
+            [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
+            kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
+            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
+            protects=quant.protect_fraction > 0)
+        for t, per_bucket in zip(ts, results):
+            for b, stacks in zip(kinds[t].buckets, per_bucket):
+                for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
+                    i = idx[t][b[j]]
+                    out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i], factors=factors[i])
+    return out  # type: ignore[return-value]
 
 
 def map_by_device_set(f, xs: Sequence, *others: Sequence) -> list:
@@ -621,8 +593,6 @@ def devices_of(x) -> set:
     others are)."""
     if isinstance(x, (tuple, list)):
         return set().union(*(devices_of(a) for a in x))
-    if isinstance(x, jax.ShapeDtypeStruct):  # an abstract array (`compile_encoder`)
-        return set() if x.sharding is None else x.sharding.device_set
     return x.sharding.device_set if isinstance(x, jax.Array) else set()
 
 

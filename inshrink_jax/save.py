@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
-import os
 import re
-import threading
 import time
 import warnings
 from typing import Any, Callable, Mapping
@@ -324,8 +321,6 @@ class Dispatched:
       started: `time.perf_counter()` when the save started; blocking: seconds the caller was blocked.
       prior: closed loop: the object whose reconstruction this save's residuals are added to (None: a keyframe).
       after: the `ItemState` fields the next save builds on once this one is committed (quant, recon, depth).
-      warm: None, or a function to call once this save is written: it starts compiling the next residual
-        saves' encoder (`residual_warm_up`).
     """
 
     records: list[records.Leaf]
@@ -337,7 +332,6 @@ class Dispatched:
     blocking: float
     prior: str | None = None
     after: dict = dataclasses.field(default_factory=dict)
-    warm: Callable | None = None
 
 
 def recon_offsets(p: Plan, cfg: CompressionConfig, chain: ItemState) -> list | None:
@@ -377,84 +371,16 @@ def residual_factors(p: Plan, cfg: CompressionConfig) -> list | None:
     return out
 
 
-# Compiling a closed-loop residual save's encoder takes seconds (the character transformer's: about 4 s on 2
-# cores), and the first residual save of a run pays it unless something compiled it before. A run's first
-# compressed closed-loop keyframe, once written, starts a thread that compiles that encoder from the keyframe's
-# shapes and shardings without running anything (`residual_warm_up`, `quantize.compile_encoder`); a residual save
-# waits for it (`wait_for_warm_up`) instead of compiling the same program a second time beside it.
-# INSHRINK_JAX_WARM_UP=0 turns it off (the test suite does: most of its tests save one keyframe of a state they
-# never save again).
-_WARM_UPS: list[threading.Thread] = []
-_WARM_LOCK = threading.Lock()
-_log = logging.getLogger(__name__)
-
-
-def warm_up_enabled() -> bool:
-    """Whether `residual_warm_up` compiles anything (INSHRINK_JAX_WARM_UP, default on)."""
-    return os.environ.get("INSHRINK_JAX_WARM_UP", "1") != "0"
-
-
-def residual_warm_up(p: Plan, cfg: CompressionConfig) -> Callable[[], threading.Thread] | None:
-    """A function that starts compiling, in a daemon thread, the encoder the residual saves after the keyframe
-    planned as `p` will run: the weights and small parameters of `p` (`with_small`) against reconstructions of their
-    shapes, dtypes and shardings, at the residual space's kind of levels (`quantize.compile_encoder`: nothing runs
-    on a device; the function holds abstract arrays only). The handler calls it once the keyframe is written, so
-    the compile does not delay that save. None when it is off (INSHRINK_JAX_WARM_UP=0), in a job of several
-    processes, with weighted residuals, or with a weight that is not a device array. A failure only leaves the
-    residual save to compile it itself (logged at debug level)."""
-    if not warm_up_enabled() or jax.process_count() != 1 or cfg.weighted_residuals or not cfg.closed_loop:
-        return None
-    r = with_small(p, cfg)
-    xs = [r.leaves[i] for i in r.weights]
-    if not xs or not all(isinstance(x, jax.Array) for x in xs) or \
-            not all(g is None or isinstance(g, jax.Array) for g in r.grads):
-        return None
-
-    def abstract(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-    layer_types = [r.records[i].layer_type for i in r.weights]
-    cube = search.Cube.build(cfg.residual_space, "embedding" in layer_types, cfg.quant, residual=True)
-    top = cube.config(cube.top, cfg.residual_space.prune_metrics[0])
-    xs_abs = [abstract(x) for x in xs]
-    gs_abs = [None if g is None else abstract(g) for g in r.grads]
-
-    def run():
-        try:
-            quantize.compile_encoder(xs_abs, gs_abs, layer_types, top, cfg, offsets=xs_abs,
-                                     sigma=quantize.RESIDUAL_SIGMA)
-        except Exception:  # noqa: BLE001 (an optimisation: the residual save compiles what this did not)
-            _log.debug("compiling the residual encoder ahead of time failed", exc_info=True)
-
-    def start() -> threading.Thread:
-        thread = threading.Thread(target=run, name="inshrink-warm-up", daemon=True)
-        with _WARM_LOCK:
-            _WARM_UPS[:] = [t for t in _WARM_UPS if t.is_alive()] + [thread]
-        thread.start()
-        return thread
-    return start
-
-
-def wait_for_warm_up() -> None:
-    """Wait for the encoders `residual_warm_up` threads are compiling, so a residual save finds them compiled."""
-    with _WARM_LOCK:
-        pending = list(_WARM_UPS)
-    for t in pending:
-        t.join()
-
-
 def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: ItemState, offsets: list,
              base_info: dict | None, primary: bool, started: float) -> Dispatched:
     """Choose the configuration, dispatch the encoders (and, closed loop, the new reconstruction), copy the
     lossless leaves. `chain`: the state the save builds on; `offsets`: for each weight, the base checkpoint's
     values it is stored against, or None."""
     closed = cfg.closed_loop and not p.base_of
-    warm = None
     recon = recon_offsets(p, cfg, chain)
     residual = recon is not None
     factors = None
     if residual:
-        wait_for_warm_up()
         offsets, p = recon, with_small(p, cfg)
         factors = residual_factors(p, cfg)
     small = p.small if closed else []  # exact at a closed-loop keyframe: the first link of their chains
@@ -483,8 +409,6 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
                                              sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
         new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
-        if closed and not residual and chain.object_id is None:  # a run's first keyframe: its residuals follow
-            warm = residual_warm_up(p, cfg)
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
     # its previous value, not a zero; its codes are passed with prunes False, so the kernels are a keyframe's).
     owners = p.owners if weights else [None] * len(p.moments)
@@ -516,7 +440,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
                  recon={p.records[i].keystr: r for i, r in zip(p.weights + small, new_recon)},
                  depth=chain.depth + 1 if residual else 0)
     return Dispatched(recs, quantized, devs, shards, manifest, started, time.perf_counter() - started,
-                      chain.object_id if residual else None, after, warm)
+                      chain.object_id if residual else None, after)
 
 
 def _device_shards(idx: list[int], xs: list, devs: list) -> list[tuple[int, list, Any]]:

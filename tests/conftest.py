@@ -6,9 +6,6 @@ import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Most tests save one keyframe of a state they never save again: no residual encoder compiled ahead for them
-# (save.residual_warm_up; tests/test_closed_loop.py turns it on where it tests it).
-os.environ.setdefault("INSHRINK_JAX_WARM_UP", "0")
 
 import hypothesis  # noqa: E402
 

@@ -453,35 +453,6 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
     assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= 8
 
 
-@pytest.mark.parametrize("warm", [True, False])
-def test_a_runs_first_keyframe_compiles_the_residual_encoder_ahead(tmp_path, monkeypatch, caplog, warm):
-    """Once a run's first closed-loop keyframe is written, a thread compiles the residual saves' encoder from its
-    shapes and shardings (save.residual_warm_up, nothing run): the first residual save then compiles no encoder of
-    its own. Off (INSHRINK_JAX_WARM_UP=0), that save compiles it. Each case saves a state of shapes no other test
-    uses, so nothing else compiled them."""
-    import logging
-
-    monkeypatch.setenv("INSHRINK_JAX_WARM_UP", "1" if warm else "0")
-    rng = np.random.default_rng(5)
-    rows = 88 if warm else 104  # a structure of its own per case
-    w = rng.normal(size=(rows, 56)).astype(np.float32) * 0.05
-    states = [{"w": jnp.asarray(w + k * 1e-3 * rng.normal(size=w.shape).astype(np.float32)), "b": jnp.ones(56)}
-              for k in range(2)]
-    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig())
-    mngr.save(0, args=ij.InshrinkSave(states[0]))
-    mngr.wait_until_finished()
-    save.wait_for_warm_up()
-    with jax.log_compiles(True), caplog.at_level(logging.DEBUG, logger="jax"):
-        mngr.save(1, args=ij.InshrinkSave(states[1]))
-        mngr.wait_until_finished()
-    compiled = [r.getMessage() for r in caplog.records if "XLA compilation" in r.getMessage()]
-    assert mngr.item_metadata(1)["kind"] == "delta"
-    assert any("jit(_encode)" in m for m in compiled) == (not warm), compiled
-    first, second = (mngr.restore(k, args=ij.InshrinkRestore(states[k])) for k in (0, 1))
-    # the residual carries the keyframe's error (larger than this drift) and leaves at most 0.45 of it
-    assert rms(second["w"], states[1]["w"]) < 0.5 * rms(first["w"], states[0]["w"])
-
-
 @pytest.mark.parametrize("weighted", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
     """Pipeline-style placement: each layer, its Adam moments included, sharded over its own pair of devices.
