@@ -54,24 +54,23 @@ def uniform(step):
     return QuantConfig(bins=5, embedding_bins=5, protect_fraction=0.0, prune_fraction=0.0, step=step)
 
 
-LIBRARY = {"k-means 4 levels, half pruned": (k_means(4, 0.5), False),
-           "k-means 4 levels, half pruned, weighted": (k_means(4, 0.5), True),
+# The library coders: (configuration, variant): "plain", "weighted" (the second-moment weighting) or "unbiased"
+# (the plain codes, their decoded residual scaled by `unbiased`).
+LIBRARY = {"k-means 4 levels, half pruned": (k_means(4, 0.5), "plain"),
+           "k-means 4 levels, half pruned, weighted": (k_means(4, 0.5), "weighted"),
            "k-means 4 levels, half pruned, unbiased levels": (k_means(4, 0.5), "unbiased"),
-           "k-means 3 levels, half pruned": (k_means(3, 0.5), False),
+           "k-means 3 levels, half pruned": (k_means(3, 0.5), "plain"),
            "k-means 3 levels, half pruned, unbiased levels": (k_means(3, 0.5), "unbiased"),
-           "k-means 8 levels, none pruned": (k_means(8, 0.0), False),
-           "uniform 5 cells of 1.5 RMS": (uniform(1.5), False),
-           "uniform 5 cells of 1.5 RMS, weighted": (uniform(1.5), True),
-           "uniform 5 cells of 2 RMS, weighted": (uniform(2.0), True)}
+           "k-means 8 levels, none pruned": (k_means(8, 0.0), "plain"),
+           "uniform 5 cells of 1.5 RMS": (uniform(1.5), "plain"),
+           "uniform 5 cells of 1.5 RMS, weighted": (uniform(1.5), "weighted"),
+           "uniform 5 cells of 2 RMS, weighted": (uniform(2.0), "weighted")}
 REFERENCE = {"NumPy uniform, cells of 1.5 RMS": ("none", 1.5),
              "NumPy uniform, cells of 1.5 RMS, weighted (separable, as the library)": ("separable", 1.5),
              "NumPy uniform, cells of 1.5 RMS, weighted per element": ("element", 1.5),
              "NumPy uniform, cells of 2 RMS, weighted per element": ("element", 2.0),
              "NumPy uniform, cells of 1.5 RMS, per element, the first residual save's map": ("first", 1.5),
              "NumPy uniform, cells of 1.5 RMS, per element, the map renewed every 8 saves": ("every8", 1.5)}
-# Per tensor, the per-element scale a "first" / "every8" coder keeps (a decoder would store it once per chain
-# instead of needing every link's second moment): [scale, saves coded with it].
-MAPS: dict = {}
 
 
 def unbiased(x, offset, decoded):
@@ -98,13 +97,13 @@ def element_scale(nu: np.ndarray) -> np.ndarray:
     return m / np.exp(np.mean(np.log(m)))
 
 
-def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float, leaf=None):
-    """(decoded residual, bits) of the NumPy reference coder; `leaf` names the tensor whose kept map a "first" or
-    "every8" coder uses."""
+def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float, kept: list | None = None):
+    """(decoded residual, bits) of the NumPy reference coder. `kept`: for a "first" or "every8" coder, the tensor's
+    kept per-element scale and the saves coded with it ([scale, count], updated here; [None, 0] before its first
+    save): what a decoder could store once per chain instead of needing every link's second moment."""
     if kind in ("first", "every8") and nu.max() > 0:
-        kept = MAPS.get((kind, leaf))
-        if kept is None or (kind == "every8" and kept[1] >= 8):
-            kept = MAPS[(kind, leaf)] = [element_scale(nu), 0]
+        if kept[0] is None or (kind == "every8" and kept[1] >= 8):
+            kept[:] = [element_scale(nu), 0]
         kept[1] += 1
         m = kept[0]
     elif kind == "element" and nu.max() > 0:
@@ -128,6 +127,7 @@ def main(argv=None):
     state = work.create_state()
     names = list(LIBRARY) + list(REFERENCE)
     recon = dict.fromkeys(names)
+    kept: dict = {}  # (coder, leaf) -> the kept per-element scale of a "first" / "every8" coder
     bits, error, snaps, losses = {n: [] for n in names}, {n: [] for n in names}, {}, {}
     for step in range(1, STEPS + 1):
         state, loss, _ = digits.train_step(state, *work.batch(step))
@@ -150,12 +150,12 @@ def main(argv=None):
                 continue
             offs = [recon[name][i] for i in idx]
             if name in LIBRARY:
-                quant, weighted = LIBRARY[name]
+                quant, variant = LIBRARY[name]
                 devs = quantize.encode_on_device(xs, [None] * len(xs), types, quant, cfg, offsets=offs,
                                                  sigma=quantize.RESIDUAL_SIGMA,
-                                                 factors=factors if weighted is True else None)
+                                                 factors=factors if variant == "weighted" else None)
                 new = quantize.dequantize_all(devs, [x.dtype for x in xs])
-                if weighted == "unbiased":
+                if variant == "unbiased":
                     new = [unbiased(x, o, v) for x, o, v in zip(xs, offs, new)]
                 bits[name].append(sum(8 * len(codec.compress_best(np.asarray(d.codes), codec.CODE_CODECS,
                                                                   codec.CODE_LEVEL)[0]) for d in devs) / n)
@@ -164,7 +164,8 @@ def main(argv=None):
                 new, b = [], 0.0
                 for i, x, o, f in zip(idx, xs, offs, factors):
                     d, bi = reference_code(np.asarray(x, np.float64) - np.asarray(o, np.float64),
-                                           np.asarray(nus[i], np.float64), f, kind, step_, i)
+                                           np.asarray(nus[i], np.float64), f, kind, step_,
+                                           kept.setdefault((name, i), [None, 0]))
                     new.append(jax.numpy.asarray(np.asarray(o, np.float64) + d, x.dtype))
                     b += bi
                 bits[name].append(b / n)
