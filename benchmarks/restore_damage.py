@@ -97,10 +97,13 @@ def element_scale(nu: np.ndarray) -> np.ndarray:
     return m / np.exp(np.mean(np.log(m)))
 
 
-def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float, kept: list | None = None):
+def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float, kept: list | None = None,
+                   levels: str = "grid", cells: int | None = None):
     """(decoded residual, bits) of the NumPy reference coder. `kept`: for a "first" or "every8" coder, the tensor's
     kept per-element scale and the saves coded with it ([scale, count], updated here; [None, 0] before its first
-    save): what a decoder could store once per chain instead of needing every link's second moment."""
+    save): what a decoder could store once per chain instead of needing every link's second moment. `levels`:
+    "grid", each cell decodes to its centre, or "means", to the mean of its values (the library's uniform levels);
+    `cells`: None, unbounded, or that many cells (odd), the values beyond the outer ones in them (the library's)."""
     if kind in ("first", "every8") and nu.max() > 0:
         if kept[0] is None or (kind == "every8" and kept[1] >= 8):
             kept[:] = [element_scale(nu), 0]
@@ -115,7 +118,56 @@ def reference_code(r: np.ndarray, nu: np.ndarray, fs, kind: str, step: float, ke
     u = r / m
     width = step * np.sqrt(np.mean(u ** 2)) + 1e-30
     q = np.round(u / width)
-    return q * width * m, entropy_bits(q.astype(np.int64))
+    if cells is not None:
+        q = np.clip(q, -(cells // 2), cells // 2)
+    decoded = q * width
+    if levels == "means":
+        _, inv = np.unique(q, return_inverse=True)
+        decoded = (np.bincount(inv.ravel(), u.ravel()) / np.bincount(inv.ravel()))[inv].reshape(u.shape)
+    return decoded * m, entropy_bits(q.astype(np.int64))
+
+
+def code_save(coder: tuple, flat: list, nus: list, previous: list, cfg: CompressionConfig, kept: dict):
+    """One closed-loop save of the parameters (`flat`: their (path, leaf) pairs; `nus`: their second moments) by
+    `coder` (a value of LIBRARY: (QuantConfig, variant), or of REFERENCE: (kind, cell width[, levels, cells]),
+    `reference_code`'s arguments) against its previous
+    reconstruction `previous` (every leaf): (the new reconstruction, bits a parameter, weighted error). Leaves
+    under 64 elements are kept exact. `kept`: the coder's own dict, leaf -> the kept per-element scale of a
+    "first" / "every8" reference coder."""
+    ws = [x for _, x in flat]
+    idx = [i for i, w in enumerate(ws) if w.size >= 64]
+    xs, offs = [ws[i] for i in idx], [previous[i] for i in idx]
+    types = [quantize.layer_type(jax.tree_util.keystr(flat[i][0]), ws[i].shape) for i in idx]
+    big = [i for i in idx if ws[i].ndim >= 2]
+    fs = dict(zip(big, weighting.factors([nus[i] for i in big])))
+    factors = [fs.get(i) for i in idx]
+    inverse = weighting.inverse_multipliers(factors)
+    n = sum(x.size for x in xs)
+    if isinstance(coder[0], QuantConfig):
+        quant, variant = coder
+        devs = quantize.encode_on_device(xs, [None] * len(xs), types, quant, cfg, offsets=offs,
+                                         sigma=quantize.RESIDUAL_SIGMA,
+                                         factors=factors if variant == "weighted" else None)
+        new = quantize.dequantize_all(devs, [x.dtype for x in xs])
+        if variant == "unbiased":
+            new = [unbiased(x, o, v) for x, o, v in zip(xs, offs, new)]
+        bits = sum(8 * len(codec.compress_best(np.asarray(d.codes), codec.CODE_CODECS, codec.CODE_LEVEL)[0])
+                   for d in devs) / n
+    else:
+        kind, step_, *options = coder
+        new, b = [], 0.0
+        for i, x, o, f in zip(idx, xs, offs, factors):
+            d, bi = reference_code(np.asarray(x, np.float64) - np.asarray(o, np.float64),
+                                   np.asarray(nus[i], np.float64), f, kind, step_,
+                                   kept.setdefault(i, [None, 0]), *options)
+            new.append(jax.numpy.asarray(np.asarray(o, np.float64) + d, x.dtype))
+            b += bi
+        bits = b / n
+    error = float(search.proxy_degradation(xs, new, inverse, offs))
+    recon = list(ws)
+    for i, v in zip(idx, new):
+        recon[i] = v
+    return recon, bits, error
 
 
 def main(argv=None):
@@ -127,7 +179,7 @@ def main(argv=None):
     state = work.create_state()
     names = list(LIBRARY) + list(REFERENCE)
     recon = dict.fromkeys(names)
-    kept: dict = {}  # (coder, leaf) -> the kept per-element scale of a "first" / "every8" coder
+    kept: dict = {n: {} for n in names}  # per coder: leaf -> its kept per-element scale ("first" / "every8")
     bits, error, snaps, losses = {n: [] for n in names}, {n: [] for n in names}, {}, {}
     for step in range(1, STEPS + 1):
         state, loss, _ = digits.train_step(state, *work.batch(step))
@@ -136,43 +188,14 @@ def main(argv=None):
             continue
         flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
         ws, nus = [x for _, x in flat], second_moment(state)
-        idx = [i for i, w in enumerate(ws) if w.size >= 64]
-        xs = [ws[i] for i in idx]
-        types = [quantize.layer_type(jax.tree_util.keystr(flat[i][0]), ws[i].shape) for i in idx]
-        big = [i for i in idx if ws[i].ndim >= 2]
-        fs = dict(zip(big, weighting.factors([nus[i] for i in big])))
-        factors = [fs.get(i) for i in idx]
-        inverse = weighting.inverse_multipliers(factors)
-        n = sum(x.size for x in xs)
         for name in names:
             if recon[name] is None:  # the first save: exact
                 recon[name] = list(ws)
                 continue
-            offs = [recon[name][i] for i in idx]
-            if name in LIBRARY:
-                quant, variant = LIBRARY[name]
-                devs = quantize.encode_on_device(xs, [None] * len(xs), types, quant, cfg, offsets=offs,
-                                                 sigma=quantize.RESIDUAL_SIGMA,
-                                                 factors=factors if variant == "weighted" else None)
-                new = quantize.dequantize_all(devs, [x.dtype for x in xs])
-                if variant == "unbiased":
-                    new = [unbiased(x, o, v) for x, o, v in zip(xs, offs, new)]
-                bits[name].append(sum(8 * len(codec.compress_best(np.asarray(d.codes), codec.CODE_CODECS,
-                                                                  codec.CODE_LEVEL)[0]) for d in devs) / n)
-            else:
-                kind, step_ = REFERENCE[name]
-                new, b = [], 0.0
-                for i, x, o, f in zip(idx, xs, offs, factors):
-                    d, bi = reference_code(np.asarray(x, np.float64) - np.asarray(o, np.float64),
-                                           np.asarray(nus[i], np.float64), f, kind, step_,
-                                           kept.setdefault((name, i), [None, 0]))
-                    new.append(jax.numpy.asarray(np.asarray(o, np.float64) + d, x.dtype))
-                    b += bi
-                bits[name].append(b / n)
-            error[name].append(float(search.proxy_degradation(xs, new, inverse, offs)))
-            recon[name] = list(ws)
-            for i, v in zip(idx, new):
-                recon[name][i] = v
+            coder = LIBRARY[name] if name in LIBRARY else REFERENCE[name]
+            recon[name], b, e = code_save(coder, flat, nus, recon[name], cfg, kept[name])
+            bits[name].append(b)
+            error[name].append(e)
         if step in RESTORES:
             snaps[step] = (state, {name: list(recon[name]) for name in names}, jax.tree.structure(state.params))
         print(f"step {step}", flush=True)

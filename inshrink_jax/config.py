@@ -31,8 +31,9 @@ class QuantConfig:
         tensor are kept near-exact.
       step: 0 (the paper's levels: weighted k-means with K levels), or the levels of an entropy-coded uniform
         quantizer: K cells of width `step` times the RMS of the tensor's quantized values, -M..K-1-M with
-        M = (K - 1) // 2 (centred on 0 for odd K; values beyond go to the outer cells), each cell's level the mean
-        of its values. K then only bounds the range; the step sets the error and the bits: at the same squared error,
+        M = (K - 1) // 2 (centred on 0 for odd K; values beyond go to the outer cells), each cell's level its
+        centre (the two outer cells': the mean of their values; `quantize.uniform_levels` says why not every
+        cell's mean). K then only bounds the range; the step sets the error and the bits: at the same squared error,
         its codes take about 10% fewer bits than k-means levels, whose K near-equally used levels cost about
         log2 K bits (benchmarks/results/residual_coding.md; `UNIFORM_RESIDUAL_SPACE`, an alternative space for
         closed-loop residuals).

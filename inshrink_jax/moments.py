@@ -194,7 +194,7 @@ def _widths(hist, budget, *, spec):
     def one(step):
         width = jnp.where(rms > 0, step * rms, 1.0)  # quantize.uniform_levels' width
         cells = 2 * jnp.clip(jnp.ceil(top / width - 0.5), 0, (FIRST_CAPACITY - 1) // 2).astype(jnp.int32) + 1
-        levels, width = quantize.uniform_levels(h, spec, cells, step, FIRST_CAPACITY)
+        levels, width = quantize.uniform_levels(h, spec, cells, step, FIRST_CAPACITY, centred=False)
         levels = jnp.where(jnp.arange(FIRST_CAPACITY) < cells, levels, 0.0)
         err = jnp.sum(jnp.where(busy, h * (reps - levels[quantize.uniform_cell(reps, width, cells)]) ** 2, 0.0))
         return levels, cells, width, err

@@ -307,8 +307,8 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
     row = 0
     for b, x, (x32, _, _, _), p, q in zip(kind.buckets, part.values, part.scored, part.protected, part.pruned):
         c, width = centres[row:row + len(b)], widths[row:row + len(b)]
-        # A uniform quantizer's value takes its cell (the level is the cell's mean, not necessarily the nearest
-        # level: nearest-level assignment would shrink the busy zero cell towards the fixed-rate optimum).
+        # A uniform quantizer's value takes its cell (an outer cell's level is the mean of its values, not
+        # necessarily the nearest level).
         level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
@@ -382,11 +382,20 @@ def stacked(arrs: Sequence[jax.Array]) -> jax.Array:
     return arrs[0][None] if len(arrs) == 1 else jnp.stack(arrs)
 
 
-def uniform_levels(counts, spec, bins, step, capacity):
+def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
     """Levels of the uniform quantizer (QuantConfig.step) for the values behind a histogram: `bins` cells of width
-    step * RMS, -M..bins-1-M with M = (bins - 1) // 2 (centred on 0 for odd `bins`), each level the mean of its
-    cell's values (an empty cell keeps its centre); `capacity` slots ascending, the unused ones at +inf; and the
-    cells' width."""
+    step * RMS, -M..bins-1-M with M = (bins - 1) // 2 (centred on 0 for odd `bins`); `capacity` slots ascending,
+    the unused ones at +inf; and the cells' width.
+
+    `centred` (the weights' levels): each inner cell's level is its centre and each of the two outer cells' the
+    mean of its values (they hold everything beyond them). Not the mean of every cell: a level that is its cell's
+    mean shrinks the decoded values towards 0 (a decreasing density puts a cell's mean on its inner side), so the
+    error is not noise but a part of each value, and in a closed loop a part of each interval's update: a restore
+    then moves the weights back along the direction training moved them. Ten restores of the character
+    transformer from five cells of 1.5 RMS cost +1.85% of paired training loss with means, +0.66% with centres
+    (benchmarks/results/restore_chain.md), at the same codes. Not `centred` (first moments, moments.py: coded
+    afresh at each save, no chain): every level its cell's mean (an empty cell keeps its centre), the least
+    squared error for the codes."""
     values = jnp.asarray(spec.representatives())
     h = counts.astype(jnp.float32)
     n = jnp.sum(h)
@@ -398,7 +407,8 @@ def uniform_levels(counts, spec, bins, step, capacity):
     count = jax.ops.segment_sum(h, cell, num_segments=capacity)
     slots = jnp.arange(capacity)
     grid = (slots - (bins - 1) // 2).astype(jnp.float32) * width
-    levels = jnp.where(count > 0, total / jnp.where(count > 0, count, 1.0), grid)
+    means = (count > 0) if not centred else (count > 0) & ((slots == 0) | (slots == bins - 1))
+    levels = jnp.where(means, total / jnp.where(count > 0, count, 1.0), grid)
     return jnp.where(slots < bins, levels, jnp.inf), width
 
 
@@ -531,7 +541,7 @@ def encode_on_device(
     kinds, bins = [], []
     for kind, ix in zip(types, idx):
         b = quant.bins_for(kind)
-        # A uniform quantizer's levels are cell means (no k-means), so its slots can follow its bins.
+        # A uniform quantizer's levels are its cells (no k-means), so its slots can follow its bins.
         capacity = max(cfg.bins_capacity, b) if quant.step > 0 else cfg.bins_capacity
         if b > capacity:
             raise ValueError(f"{b} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")

@@ -406,7 +406,7 @@ def test_a_keyframe_that_no_configuration_of_the_space_holds_takes_a_fine_unifor
     assert float(relative_error(restored)) - 1.0 == pytest.approx(fig["search"]["degradation"], rel=1e-4)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ref)):
         # well inside the cells' range (+-6 RMS of the quantized values, the protected 1% left out): a value's
-        # level is the mean of its cell, at most one cell away; the cells are at most 1/20 of the whole RMS
+        # level is the centre of its cell, at most half a cell away; the cells are at most 1/20 of the whole RMS
         rms = np.sqrt(np.mean(b.astype(np.float64) ** 2))
         inside = np.abs(b) < 4 * rms
         err = np.abs(np.asarray(a) - b)
