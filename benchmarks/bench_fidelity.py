@@ -25,7 +25,7 @@ Methods: inshrink (the default configuration: CompressionConfig() with a Gradien
 inshrink[epsilon=E] (the knob: every data-free budget follows it), inshrink-rb<B> (residual_budget=B alone),
 inshrink-open (the paper's open-loop saves,
 closed_loop=False), inshrink[key=value;...] (any CompressionConfig fields, e.g. 'inshrink[moment_bins=4]'),
-each also as inshrink-uniform... (residual_space=config.UNIFORM_RESIDUAL_SPACE, e.g. inshrink-uniform-rb0.4) or
+each also as inshrink-kmeans... (residual_space=config.KMEANS_RESIDUAL_SPACE, e.g. inshrink-kmeans-rb0.4) or
 inshrink-entropy... (residual_space=config.ENTROPY_RESIDUAL_SPACE),
 and the baselines orbax, bf16, qd8, cnr4, excp (baselines.py).
 """
@@ -125,13 +125,13 @@ WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM, "lstm": L
 
 
 def method(name: str):
-    """A method of the table: inshrink_jax at a setting (`inshrink`, then optionally `-uniform` or `-entropy`,
+    """A method of the table: inshrink_jax at a setting (`inshrink`, then optionally `-kmeans` or `-entropy`,
     then one of `-open`, `-rb<B>` or `[key=value;...]`), or a baseline."""
     if not name.startswith("inshrink"):
         return ft.Baseline(name)
     rest, kw = name[len("inshrink"):], {}
-    if rest.startswith("-uniform"):
-        kw["residual_space"], rest = ft.ij.config.UNIFORM_RESIDUAL_SPACE, rest[len("-uniform"):]
+    if rest.startswith("-kmeans"):
+        kw["residual_space"], rest = ft.ij.config.KMEANS_RESIDUAL_SPACE, rest[len("-kmeans"):]
     elif rest.startswith("-entropy"):
         kw["residual_space"], rest = ft.ij.config.ENTROPY_RESIDUAL_SPACE, rest[len("-entropy"):]
     if rest == "-open":
@@ -170,7 +170,7 @@ def method_name(name: str) -> str:
         except (ValueError, TypeError, SyntaxError) as e:
             raise argparse.ArgumentTypeError(f"{name!r}: {e}") from None
     raise argparse.ArgumentTypeError(f"unknown method {name!r}: one of {', '.join(METHODS)} or "
-                                     "inshrink[-uniform|-entropy][-open|-rb<B>|[key=value;...]]")
+                                     "inshrink[-kmeans|-entropy][-open|-rb<B>|[key=value;...]]")
 
 
 def spike(r: dict) -> str:

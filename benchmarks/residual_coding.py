@@ -1,6 +1,6 @@
-"""Bits and error of one closed-loop residual under the residual quantizers: k-means levels (the default
-`RESIDUAL_SPACE`) against the entropy-coded uniform quantizer (`UNIFORM_RESIDUAL_SPACE`, `QuantConfig.step`)
-with 31, 13, 7 and 5 cells, and entropy-constrained levels (`ENTROPY_RESIDUAL_SPACE`, `QuantConfig.rate`).
+"""Bits and error of one closed-loop residual under the residual quantizers: k-means levels (the paper's,
+`KMEANS_RESIDUAL_SPACE`) against the entropy-coded uniform quantizer (`RESIDUAL_SPACE`, `QuantConfig.step`)
+with 63, 31, 13, 7 and 5 cells, and entropy-constrained levels (`ENTROPY_RESIDUAL_SPACE`, `QuantConfig.rate`).
 
 Usage: python benchmarks/residual_coding.py [--out FILE]   (needs the `bench` extra: pip install -e '.[bench]')
 
@@ -51,7 +51,7 @@ def main(argv=None):
     cfg = CompressionConfig()
     quants = [("k-means", QuantConfig(bins=k, embedding_bins=k, protect_fraction=0.0)) for k in (3, 4, 8)]
     quants += [(f"uniform, {k} cells", QuantConfig(bins=k, embedding_bins=k, protect_fraction=0.0, step=s))
-               for k in (31, 13, 7, 5) for s in (1.0, 1.5, 2.0, 2.5, 3.0)]
+               for k in (63, 31, 13, 7, 5) for s in (1.0, 1.5, 2.0, 2.5, 3.0)]
     quants += [("entropy-constrained", QuantConfig(bins=14, embedding_bins=14, protect_fraction=0.0, rate=r))
                for r in config.ENTROPY_RESIDUAL_SPACE.rates]
     lines = ["# Closed-loop residual coding: k-means levels, an entropy-coded uniform quantizer, entropy-constrained "

@@ -1,9 +1,10 @@
-"""How well the closed-loop residual search chooses: every candidate of `residual_space` measured at every save.
+"""How well the closed-loop residual search chooses: every candidate of the k-means residual space measured at every save.
 
 Usage: python benchmarks/residual_search.py [--saves 20] [--out FILE]   (needs the `bench` extra)
 
 Trains the character transformer of bench_fault_tolerance.py (440k parameters, AdamW) with the default
-CompressionConfig, a GradientEMA and the held-out loss as eval_fn, saving every 30 steps --saves times, as
+CompressionConfig but `residual_space=config.KMEANS_RESIDUAL_SPACE` (the default space is one axis of uniform
+steps, which the search walks in order), a GradientEMA and the held-out loss as eval_fn, saving every 30 steps --saves times, as
 save_breakdown.py does. At every residual save it measures the data-free proxy (the squared error over the
 residual's) of each of the space's 12 configurations before the search runs, then lets the search choose as it
 does in use. Per save: the search's choice and its number of candidates, the configuration it should choose (the
@@ -32,7 +33,7 @@ import report  # noqa: E402
 from inshrink_jax import search  # noqa: E402
 
 
-RESIDUAL_POINTS = 12  # the configurations of config.RESIDUAL_SPACE (4 bin counts x 3 prune fractions)
+RESIDUAL_POINTS = 12  # the configurations of config.KMEANS_RESIDUAL_SPACE (4 bin counts x 3 prune fractions)
 
 
 def describe(cube, point) -> str:
@@ -66,7 +67,8 @@ def main(argv=None):
     eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
     sens = ft.ij.GradientEMA(every=30)
     ema = sens.init(state.params)
-    mngr = ocp.CheckpointManager(tempfile.mkdtemp(), item_handlers=ft.ij.InshrinkCheckpointHandler(),
+    mngr = ocp.CheckpointManager(tempfile.mkdtemp(), item_handlers=ft.ij.InshrinkCheckpointHandler(
+                                     ft.ij.CompressionConfig(residual_space=ft.ij.config.KMEANS_RESIDUAL_SPACE)),
                                  options=ocp.CheckpointManagerOptions(max_to_keep=3))
     steps = []
     for step in range(1, 30 * args.saves + 1):
@@ -84,7 +86,7 @@ def main(argv=None):
              f"Command: `python benchmarks/residual_search.py --saves {args.saves}" +
              (f" --out {args.out}`" if args.out else "`"), "",
              "The character transformer (440k parameters), default CompressionConfig, a save every 30 steps. At each "
-             "residual save, the proxy of all 12 configurations of `RESIDUAL_SPACE` (budget: "
+             "residual save, the proxy of all 12 configurations of `KMEANS_RESIDUAL_SPACE` (budget: "
              f"{rows[-1][5]:g} of the residual's squared error); 'should choose': the feasible one of highest "
              "estimated ratio; 'broken pairs': a configuration within the budget while one the search takes to be at "
              "least as good (as many levels or more, the same pruning) is not.", "",

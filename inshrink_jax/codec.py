@@ -33,6 +33,14 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 values), the k values ascending, then "zstd-radix" of each value's rank among them (base k, at
                 least 2). Deltas of 3 distinct values then pack 5 to a byte instead of taking a byte each, and
                 a closed-loop residual's codes 1..K (no zeros) K values to a base-K digit instead of base K + 1.
+  "zstd-escape" for uint8 streams of more than `_ESCAPE_KEEP` distinct values most of which are a few (the codes
+                of a uniform quantizer with many cells: nearly every value in the central cells, a rare tail):
+                one byte k (<= `_ESCAPE_KEEP`), the k most frequent values ascending, the length of the next
+                part (little-endian uint64), "zstd-radix" of each value's rank among them or k for any other
+                value (base k + 1: 3 to a byte for k = 5), then zstandard of the other values in order. The
+                central values then pack as five-cell codes do, and the tail costs a byte each, where one value
+                to a byte would leave zstd's Huffman literals at over a bit each (1.12-1.33x the order-0 entropy
+                of 63-cell codes against 1.02-1.28x for five cells: benchmarks/results/residual_coding.md).
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -52,14 +60,16 @@ ZSTD_PACKED = "zstd-packed"
 ZSTD_RADIX = "zstd-radix"
 ZSTD_RANK = "zstd-rank"
 ZSTD_RUNS = "zstd-runs"
+ZSTD_ESCAPE = "zstd-escape"
 RAW = "raw"
+_ESCAPE_KEEP = 5  # values "zstd-escape" ranks (with its escape: base 6, three to a byte)
 _PACK_WIDTHS = (1, 2, 4)
 DEFAULT_LEVEL = 3
 # Code and delta streams: whichever of these is smaller, at zstd level 1. On near-memoryless uint8 streams
 # level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
 # 1.18x vs 1.28x H0 on 8-level codes of a real training trace; the codec choice takes its rearranged deltas from
 # 1.73x (plain zstd) to 1.02x H0 (1.07x with zstd-rle before zstd-runs and zstd-rank; benchmarks/results/delta.md).
-CODE_CODECS = (ZSTD, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK)
+CODE_CODECS = (ZSTD, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE)
 CODE_LEVEL = 1
 # Lossless float data: byte planes win on trained weights (their exponent bytes repeat), plain zstd (what Orbax
 # stores) where whole values repeat; taking the smaller costs a second pass and is never larger than either.
@@ -110,15 +120,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         base = max(int(arr.max()) + 1 if arr.size else 2, 2)
         if base > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # one value a byte: plain zstd; never the smallest (compress_best)
-        per = _radix_digits(base)
-        padded = np.zeros(-(-arr.size // per) * per, np.uint8)
-        padded[:arr.size] = arr
-        digits = padded.reshape(-1, per)  # least significant first; Horner's rule in uint8 (base ** per <= 256)
-        packed = digits[:, per - 1].copy()
-        for j in range(per - 2, -1, -1):
-            packed *= np.uint8(base)
-            packed += digits[:, j]
-        return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
+        return _radix_of(arr, base, level)
     elif codec == ZSTD_RANK:
         arr = _bytes_view(data)
         if counts is None:
@@ -130,12 +132,39 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         rank_of[alphabet] = np.arange(alphabet.size, dtype=np.uint8)
         ranks = np.take(rank_of, arr)  # a table lookup, not a search per byte
         return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
+    elif codec == ZSTD_ESCAPE:
+        arr = _bytes_view(data)
+        if counts is None:
+            counts = byte_counts(arr)
+        top = np.argsort(counts, kind="stable")[::-1][:_ESCAPE_KEEP]  # the most frequent values
+        kept = np.sort(top[counts[top] > 0]).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
+        rank_of = np.full(256, kept.size, np.uint8)
+        rank_of[kept] = np.arange(kept.size, dtype=np.uint8)
+        ranks = np.take(rank_of, arr)
+        ranked = _radix_of(ranks, kept.size + 1, level)
+        rest = arr[ranks == kept.size]
+        return (bytes([kept.size]) + kept.tobytes() + np.array([len(ranked)], "<u8").tobytes() + ranked
+                + compress(rest, ZSTD, level))
     elif codec == ZSTD:
         buf = _bytes_view(data)
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}")
     return _compressor(level).compress(buf)
+
+
+def _radix_of(arr: np.ndarray, base: int, level: int) -> bytes:
+    """"zstd-radix" of uint8 values below `base` (2..16; the header states `base`, at least 2)."""
+    base = max(base, 2)
+    per = _radix_digits(base)
+    padded = np.zeros(-(-arr.size // per) * per, np.uint8)
+    padded[:arr.size] = arr
+    digits = padded.reshape(-1, per)  # least significant first; Horner's rule in uint8 (base ** per <= 256)
+    packed = digits[:, per - 1].copy()
+    for j in range(per - 2, -1, -1):
+        packed *= np.uint8(base)
+        packed += digits[:, j]
+    return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
 
 
 # zstandard's (de)compression contexts, one per thread (an object is not safe to share between threads) and
@@ -175,7 +204,7 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = 
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
-    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK} else None
+    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE} else None
     packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and any(
         c in codecs and _can_win(c, counts) for c in (ZSTD_RADIX, ZSTD_RANK))
     for c in codecs:
@@ -218,6 +247,8 @@ def _can_win(codec: str, counts: np.ndarray | None) -> bool:
     are then a relabelling of the ranks')."""
     if codec in (ZSTD_RLE, ZSTD_RUNS):
         return 2 * int(counts[0]) >= int(counts.sum())
+    if codec == ZSTD_ESCAPE:  # more values than it ranks (else rank or radix packing codes them all)
+        return np.count_nonzero(counts) > _ESCAPE_KEEP
     if codec in (ZSTD_RADIX, ZSTD_RANK):
         present = np.flatnonzero(counts)
         radix = not counts[_RADIX_MAX:].any()
@@ -234,9 +265,9 @@ class CodecError(ValueError):
 def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
     """Inverse of `compress`: exactly `size` bytes, or CodecError (nothing larger is ever allocated, whatever
     the stream's own header claims); `itemsize` is the element size the planes were split by (zstd-planes)."""
-    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK):
+    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE):
         raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}")
     if codec == RAW:
         out = bytes(blob)
     elif codec in (ZSTD_RLE, ZSTD_RUNS):
@@ -247,6 +278,8 @@ def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
         out = _decompress_radix(blob, size)
     elif codec == ZSTD_RANK:
         out = _decompress_rank(blob, size)
+    elif codec == ZSTD_ESCAPE:
+        out = _decompress_escape(blob, size)
     else:
         out = _zstd(blob, size)
     if len(out) != size:
@@ -375,6 +408,30 @@ def _decompress_rank(blob: bytes, size: int) -> bytes:
     if ranks.size and int(ranks.max()) >= k:
         raise CodecError(f"zstd-rank stream holds rank {int(ranks.max())} of an alphabet of {k}")
     return alphabet[ranks].tobytes()
+
+
+def _decompress_escape(blob: bytes, size: int) -> bytes:
+    k = blob[0] if len(blob) else 0
+    if not 1 <= k <= _ESCAPE_KEEP or len(blob) < 9 + k:
+        raise CodecError("zstd-escape stream has no valid list of values")
+    kept = np.frombuffer(blob[1:1 + k], np.uint8)
+    if k > 1 and not np.all(kept[1:] > kept[:-1]):
+        raise CodecError("zstd-escape values are not strictly ascending")
+    n = int(np.frombuffer(blob[1 + k:9 + k], "<u8")[0])
+    if n > len(blob) - 9 - k:
+        raise CodecError(f"zstd-escape states a ranked part of {n} bytes, the stream has fewer")
+    packed, base = _radix_packed(blob[9 + k:9 + k + n], size)
+    if base != k + 1:
+        raise CodecError(f"zstd-escape ranks are in base {base}, not {k + 1}")
+    ranks = _digits(packed, base, size)
+    escaped = ranks == k
+    count = int(np.count_nonzero(escaped))
+    rest = np.frombuffer(_zstd(blob[9 + k + n:], count), np.uint8)
+    if rest.size != count:
+        raise CodecError(f"zstd-escape holds {rest.size} other values for {count} escapes")
+    out = np.append(kept, np.uint8(0))[ranks]
+    out[escaped] = rest
+    return out.tobytes()
 
 
 _RLE_CHUNK = 1 << 18  # run bytes summed at a time (each chunk holds a few int64 temporaries of its size)

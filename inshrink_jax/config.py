@@ -35,8 +35,8 @@ class QuantConfig:
         centre (the two outer cells': the mean of their values; `quantize.uniform_levels` says why not every
         cell's mean). K then only bounds the range; the step sets the error and the bits: at the same squared error,
         its codes take about 10% fewer bits than k-means levels, whose K near-equally used levels cost about
-        log2 K bits (benchmarks/results/residual_coding.md; `UNIFORM_RESIDUAL_SPACE`, an alternative space for
-        closed-loop residuals).
+        log2 K bits (benchmarks/results/residual_coding.md). `RESIDUAL_SPACE`, the closed-loop residuals' default
+        space, is this quantizer's.
       rate: 0, or entropy-constrained levels (an entropy-constrained scalar quantizer): a zero level (code 0, as a
         pruned weight; for a closed-loop residual, the weight keeps its previous value) and `bins` others (even),
         fitted so that each value takes the level of least squared error plus `rate` times the mean square of its
@@ -129,24 +129,29 @@ class SearchSpace:
 
 
 # The space of a closed-loop residual save: the residual w_t - w_hat_{t-1} is one interval's change (plus the error
-# the previous save left), so far fewer levels, and much more pruning (a pruned residual keeps its previous
-# reconstruction; its error is carried to the next save), than a weight needs. Pruned by magnitude only: the
-# proxy that scores residual candidates weights every element alike (see CompressionConfig.residual_budget). Twelve
-# points (embedding tables take 3 levels, not an axis of their own): the search runs at every save.
-RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 8), embedding_bins=(3,), prune_fractions=(0.0, 0.5, 0.8),
-                             protect_fractions=(0.0,), prune_metrics=("magnitude",))
-# The same saves coded by an entropy-coded uniform quantizer (QuantConfig.step) instead of k-means levels and
-# pruning: five cells (the codes pack two to a byte before zstd), steps of 1 to 4 times the residual's RMS. Not the
-# default: on the character transformer it wrote 10% fewer parameter bytes at about the same final loss, but on
-# the MNIST CNN, whose residuals are mostly near 0 with a few large changes, the RMS-wide zero cell swallowed the
-# many small changes and the run ended outside the noise (docs/limitations.md). Pass
-# CompressionConfig(residual_space=UNIFORM_RESIDUAL_SPACE) to use it.
-UNIFORM_RESIDUAL_SPACE = SearchSpace(bins=(5,), embedding_bins=(5,), prune_fractions=(0.0,), protect_fractions=(0.0,),
-                                     prune_metrics=("magnitude",), steps=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0))
+# the previous save left). An entropy-coded uniform quantizer (QuantConfig.step): cells of 1 to 4 times the
+# residual's RMS (larger: more aggressive), a value taking its cell and decoding to the cell's centre. Not k-means
+# levels (KMEANS_RESIDUAL_SPACE): a level at its cell's mean makes a steadily drifting weight's reconstruction
+# trail it (quantize.uniform_levels), so a restore moves the weights back along their update; on the character
+# transformer 10 restores cost +1.02% of paired training loss with 4 k-means levels and half pruned (1.88 bits a
+# parameter), +0.64% with five centred cells of 1.5 RMS (1.57 bits; benchmarks/results/restore_chain.md). 63
+# cells (+-31 cells: wider than any residual's tail at these steps), not five: a value beyond the outer cell is
+# clipped to it, the same lag for the weights that move most (a pretrained LSTM's fine-tune ended +1.85% with five
+# cells, -0.22% with 63; benchmarks/results/fidelity_lstm.md); the code codec "zstd-escape" stores the rare
+# outer codes for about what five cells cost (codec.py).
+RESIDUAL_SPACE = SearchSpace(bins=(63,), embedding_bins=(63,), prune_fractions=(0.0,), protect_fractions=(0.0,),
+                             prune_metrics=("magnitude",), steps=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0))
+# The paper's levels for the same saves: k-means with far fewer levels, and much more pruning (a pruned residual
+# keeps its previous reconstruction; its error is carried to the next save), than a weight needs. Pruned by
+# magnitude only: the proxy that scores residual candidates weights every element alike (see
+# CompressionConfig.residual_budget). Twelve points (embedding tables take 3 levels, not an axis of their own). The
+# default before RESIDUAL_SPACE; pass CompressionConfig(residual_space=KMEANS_RESIDUAL_SPACE) to use it.
+KMEANS_RESIDUAL_SPACE = SearchSpace(bins=(2, 3, 4, 8), embedding_bins=(3,), prune_fractions=(0.0, 0.5, 0.8),
+                                    protect_fractions=(0.0,), prune_metrics=("magnitude",))
 # The same saves coded by entropy-constrained levels (QuantConfig.rate): a zero level and 14 others per tensor,
 # each value taking the level of least squared error plus `rate` times its layer type's mean square times the level's
 # code length; rates 1.4x apart (each step 1.4-1.5x the error). At the same squared error of the character
-# transformer's residual, about 20% fewer bits than the k-means levels of RESIDUAL_SPACE
+# transformer's residual, about 20% fewer bits than the k-means levels of KMEANS_RESIDUAL_SPACE
 # (benchmarks/results/residual_coding.md).
 ENTROPY_RESIDUAL_SPACE = SearchSpace(bins=(14,), embedding_bins=(14,), prune_fractions=(0.0,),
                                      protect_fractions=(0.0,), prune_metrics=("magnitude",),
@@ -199,15 +204,17 @@ class CompressionConfig:
         one copy of the parameters on the device (the last reconstruction). False: every save quantizes the
         weights afresh and stores their level indices as deltas (the paper's method).
       residual_space: the values the search may pick for a closed-loop residual save; keyframes use
-        `search_space`.
+        `search_space`. `RESIDUAL_SPACE` (the default): 63 uniform cells, decoded to their centres, of 1 to 4
+        times the residual's RMS; `KMEANS_RESIDUAL_SPACE`: the paper's k-means levels with pruning;
+        `ENTROPY_RESIDUAL_SPACE`: entropy-constrained levels.
       residual_budget: a closed-loop residual save takes the most compressive configuration of
         `residual_space` whose squared error is at most this fraction of the residual's
         (`search.proxy_degradation` against the previous reconstruction, weighted by `weighted_residuals`, not by
         the gradient EMA: that is small where gradients are noisy, which Adam moves as much as any other weight).
         The error a save leaves is carried
         into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
-        interval's change of the weights: the knob of the residual saves' size (smaller: more levels or less
-        pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
+        interval's change of the weights: the knob of the residual saves' size (smaller: narrower cells, or
+        more levels or less pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
         the least aggressive one is taken: a residual save is never lossless. In [0, 1]; None (the default):
         `RESIDUAL_PER_EPSILON` (20) times `epsilon`, at most 1 (0.2 at the default epsilon).
       weighted_residuals: a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
@@ -315,10 +322,14 @@ class CompressionConfig:
 
     @property
     def bins_capacity(self) -> int:
-        """Slots of the encoder's k-means: the largest bin count this configuration can use."""
-        sp, rs = self.search_space, self.residual_space
-        return max(*sp.bins, *sp.embedding_bins, *rs.bins, *rs.embedding_bins, self.quant.bins,
-                   self.quant.embedding_bins)
+        """Slots of the encoder's k-means (and entropy-constrained levels): the largest bin count of this
+        configuration's spaces and `quant` that is not a uniform quantizer's (that has slots of its own:
+        quantize.UNIFORM_SLOTS)."""
+        sizes = [b for space in (self.search_space, self.residual_space) if not any(space.steps)
+                 for b in (*space.bins, *space.embedding_bins)]
+        if not self.quant.step:
+            sizes += [self.quant.bins, self.quant.embedding_bins]
+        return max(sizes, default=2)
 
     def __post_init__(self):
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),

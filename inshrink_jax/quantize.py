@@ -44,6 +44,11 @@ _ATTENTION_WORDS = {"query", "key", "value", "qkv", "q_proj", "k_proj", "v_proj"
                     "attention", "self_attn", "self_attention", "mha"}
 
 
+# Level slots of the uniform quantizer's kernel (QuantConfig.step): the most levels a uint8 code holds beside the
+# pruned and protected codes, so one compiled kernel serves every uniform bin count.
+UNIFORM_SLOTS = 254
+
+
 def protected_code(bins: int) -> int:
     """The code of protected weights in a tensor quantized to `bins` levels."""
     return bins + 1
@@ -388,14 +393,16 @@ def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
     the unused ones at +inf; and the cells' width.
 
     `centred` (the weights' levels): each inner cell's level is its centre and each of the two outer cells' the
-    mean of its values (they hold everything beyond them). Not the mean of every cell: a level that is its cell's
-    mean shrinks the decoded values towards 0 (a decreasing density puts a cell's mean on its inner side), so the
-    error is not noise but a part of each value, and in a closed loop a part of each interval's update: a restore
-    then moves the weights back along the direction training moved them. Ten restores of the character
-    transformer from five cells of 1.5 RMS cost +1.85% of paired training loss with means, +0.66% with centres
-    (benchmarks/results/restore_chain.md), at the same codes. Not `centred` (first moments, moments.py: coded
-    afresh at each save, no chain): every level its cell's mean (an empty cell keeps its centre), the least
-    squared error for the codes."""
+    mean of its values (they hold everything beyond them). Not the mean of every cell: where the density falls
+    (a residual is peaked at 0) a cell's mean lies on its inner side, and in a closed loop a weight that drifts
+    steadily enters a cell at its inner edge and is moved by that level, less than a cell, so between crossings its
+    reconstruction trails it: the error is a lag along the direction training moves the weight, not noise, and a
+    restore moves the weights back along their update. With centres the jump is a whole cell and the error
+    averages to 0 along the drift (tests/test_closed_loop.py: means left it at 58% of the mean error). Ten
+    restores of the character transformer from five cells of 1.5 RMS cost +1.85% of paired training loss with
+    means, +0.64% with centres, at the same codes (benchmarks/results/restore_chain.md). Not `centred` (first
+    moments, moments.py: coded afresh at each save, no chain): every level its cell's mean (an empty cell keeps
+    its centre), the least squared error for the codes."""
     values = jnp.asarray(spec.representatives())
     h = counts.astype(jnp.float32)
     n = jnp.sum(h)
@@ -409,6 +416,8 @@ def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
     grid = (slots - (bins - 1) // 2).astype(jnp.float32) * width
     means = (count > 0) if not centred else (count > 0) & ((slots == 0) | (slots == bins - 1))
     levels = jnp.where(means, total / jnp.where(count > 0, count, 1.0), grid)
+    if centred:  # a cell no value takes is never decoded: stored as 0 (the records' text of 63 cells stays short)
+        levels = jnp.where(count > 0, levels, 0.0)
     return jnp.where(slots < bins, levels, jnp.inf), width
 
 
@@ -500,8 +509,7 @@ def encode_on_device(
 ) -> list[DeviceCodes]:
     """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
     compiled once per state structure and kind of levels (k-means or uniform), whatever else `quant` is (its
-    k-means has `cfg.bins_capacity` slots; a uniform quantizer has as many slots as that or its bins, if more:
-    `search.FINE_KEYFRAME_BINS`).
+    k-means has `cfg.bins_capacity` slots; a uniform quantizer has `UNIFORM_SLOTS`, the most a uint8 code holds).
 
     Args:
       xs: float arrays (float32, bfloat16, float16), any shape and sharding.
@@ -541,8 +549,9 @@ def encode_on_device(
     kinds, bins = [], []
     for kind, ix in zip(types, idx):
         b = quant.bins_for(kind)
-        # A uniform quantizer's levels are its cells (no k-means), so its slots can follow its bins.
-        capacity = max(cfg.bins_capacity, b) if quant.step > 0 else cfg.bins_capacity
+        # A uniform quantizer's levels are its cells (no k-means): it has UNIFORM_SLOTS slots whatever its bins,
+        # so every uniform configuration runs one compiled kernel (the search's guard tries several bin counts).
+        capacity = UNIFORM_SLOTS if quant.step > 0 else cfg.bins_capacity
         if b > capacity:
             raise ValueError(f"{b} bins exceed CompressionConfig.bins_capacity={cfg.bins_capacity}")
         gxs, ggs, goffs = [xs[i] for i in ix], [gs[i] for i in ix], [offsets[i] for i in ix]

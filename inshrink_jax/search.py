@@ -583,7 +583,7 @@ def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: fl
     [(d, payload)] = checker([outcome.quant])
     best = Outcome(outcome.quant, d, outcome.mode, outcome.evaluations + 1, outcome.rounds + 1, payload)
     ladder = ([] if outcome.quant == top else [top]) + [_finer(top, f) for f in (2, 4)
-                                                        if top.rate or top.bins * f <= capacity]
+                                                        if top.rate or top.step or top.bins * f <= capacity]
     for q in ladder:
         if best.degradation <= epsilon:
             break
@@ -594,7 +594,7 @@ def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: fl
     return best
 
 
-FINE_KEYFRAME_BINS = 254  # the most levels a uint8 code holds beside pruned and protected
+FINE_KEYFRAME_BINS = quantize.UNIFORM_SLOTS  # the most levels a uint8 code holds beside pruned and protected
 FINE_KEYFRAME_STEPS = (0.125, 0.05)  # cells of the fallback's uniform quantizer, times the tensor's RMS
 
 
@@ -619,11 +619,15 @@ def _fine_keyframe(evaluate: "Evaluator", outcome: Outcome, budget: float, top: 
 
 
 def _finer(q: QuantConfig, factor: int) -> QuantConfig:
-    """`q` with `factor` times its levels (its embedding tables' too, at least as many as the others), and for
-    the uniform quantizer a step `factor` times smaller over the same range; entropy-constrained levels keep
-    their number and take a code-length weight `factor`^2 times smaller."""
+    """`q` with `factor` times its levels (its embedding tables' too, at least as many as the others); for the
+    uniform quantizer a step `factor` times smaller over the same range ((bins - 1) * factor + 1 cells, odd
+    stays odd: a cell centred on 0; at most `FINE_KEYFRAME_BINS`, the odd count below it); entropy-constrained
+    levels keep their number and take a code-length weight `factor`^2 times smaller."""
     if q.rate:  # entropy-constrained levels: a weight `factor`^2 times smaller (about that much less error)
         return dataclasses.replace(q, rate=q.rate / factor ** 2)
+    if q.step:
+        bins = min((q.bins - 1) * factor + 1, FINE_KEYFRAME_BINS - 1 + FINE_KEYFRAME_BINS % 2)
+        return dataclasses.replace(q, bins=bins, embedding_bins=bins, step=q.step / factor)
     bins = q.bins * factor
     return dataclasses.replace(q, bins=bins, embedding_bins=max(bins, q.embedding_bins),
                                step=q.step / factor if q.step else q.step)

@@ -313,9 +313,9 @@ def test_residual_levels_fit_a_peaked_residual():
 
 
 @pytest.mark.parametrize("step", [1.0, 2.0, 4.0])
-def test_uniform_residual_levels_are_cell_means_within_one_step(step):
-    """QuantConfig.step: five cells of width step * RMS centred on 0, a value takes its cell and decodes to the mean
-    of the cell's values (inside it for the inner cells)."""
+def test_uniform_residual_levels_are_cell_centres_and_the_outer_cells_means(step):
+    """QuantConfig.step: five cells of width step * RMS centred on 0; a value takes its cell and decodes to the
+    cell's centre (exactly -width, 0, width for the inner three), the outer two to the mean of their values."""
     rng = np.random.default_rng(3)
     base = jnp.asarray(rng.normal(size=(256, 96)).astype(np.float32) * 0.05)
     r = rng.standard_t(3, size=base.shape).astype(np.float32) * 1e-3
@@ -326,18 +326,44 @@ def test_uniform_residual_levels_are_cell_means_within_one_step(step):
     got = np.asarray(dev.dequantize(w.dtype), np.float64) - np.asarray(base, np.float64)
     resid = np.asarray(w, np.float64) - np.asarray(base, np.float64)  # the residual as float32 arithmetic makes it
     width = step * np.sqrt(np.mean(resid ** 2))
-    levels = np.asarray(dev.centres, np.float64)[:5]
-    cells = np.arange(-2, 3) * width
-    # each inner level inside its cell, the outer ones beyond their inner edge (they hold the tails; the sketch's
-    # log buckets place values within 1%)
-    assert np.all(np.abs(levels - cells)[1:4] <= width / 2 * 1.01)
-    assert levels[0] <= -1.5 * width * 0.99 and levels[4] >= 1.5 * width * 0.99
-    inside = np.abs(resid) <= 1.5 * width  # the inner cells: value and level in the same cell (buckets: 1%)
-    assert np.all(np.abs(got - resid)[inside] <= width * 1.02)
-    # the zero cell: |r| <= width / 2 (the encoder's RMS comes from the sketch's buckets, within 1%)
-    assert abs(np.mean(np.abs(resid) <= width / 2) - np.mean(np.asarray(dev.codes) == 3)) < 0.005
+    levels = np.asarray(dev.centres, np.float32)[:5]
+    # the inner levels: 0 and +-the encoder's width (its RMS comes from the sketch's buckets, within 1%)
+    assert levels[2] == 0.0 and levels[1] == -levels[3] and abs(levels[3] / width - 1) < 0.01
     codes = np.asarray(dev.codes)
     assert codes.min() >= 1 and codes.max() <= 5
+    # the outer levels: the mean of their cells' values (which hold everything beyond 1.5 cells)
+    for code, level in ((1, levels[0]), (5, levels[4])):
+        in_cell = resid[codes == code]
+        assert abs(level - in_cell.mean()) < 0.02 * abs(in_cell.mean()), (code, level, in_cell.mean())
+    inside = np.abs(resid) <= 1.5 * width  # the inner cells: value and level in the same cell (buckets: 1%)
+    assert np.all(np.abs(got - resid)[inside] <= width * 0.51)
+    # the zero cell: |r| <= width / 2
+    assert abs(np.mean(np.abs(resid) <= width / 2) - np.mean(codes == 3)) < 0.005
+
+
+def test_a_closed_loop_of_centred_cells_does_not_trail_a_steady_drift():
+    """Weights drifting steadily (each by its own amount a save, peaked at 0, plus noise), coded closed loop by five
+    cells of 1.5 RMS: the reconstruction's error along each weight's drift averages to about 0 (a fraction of a
+    percent of its mean size), where levels at their cells' means (inside their centres) would leave every
+    drifting weight behind by a part of a cell (quantize.uniform_levels)."""
+    rng = np.random.default_rng(5)
+    shape = (128, 96)
+    drift = rng.laplace(size=shape).astype(np.float32) * 1e-3
+    w = rng.normal(size=shape).astype(np.float32) * 0.05
+    recon = jnp.asarray(w)
+    q = ij.QuantConfig(bins=5, protect_fraction=0.0, step=1.5)
+    along, size = [], []
+    for t in range(30):
+        w = w + drift + rng.normal(size=shape).astype(np.float32) * 2e-4
+        x = jnp.asarray(w)
+        (dev,) = ij.quantize.encode_on_device([x], [None], ["dense"], q, ij.CompressionConfig(), offsets=[recon],
+                                              sigma=ij.quantize.RESIDUAL_SIGMA)
+        recon = dev.dequantize(x.dtype)
+        err = np.asarray(x, np.float64) - np.asarray(recon, np.float64)
+        if t >= 10:
+            along.append(np.mean(np.sign(drift) * err))
+            size.append(np.mean(np.abs(err)))
+    assert abs(np.mean(along)) < 0.05 * np.mean(size), (np.mean(along), np.mean(size))
 
 
 def test_uniform_residual_error_and_bits_fall_monotonically_with_the_step():
@@ -400,11 +426,11 @@ def test_entropy_constrained_configurations_are_checked():
             config.SearchSpace(**space)
 
 
-@pytest.mark.parametrize("space", ["RESIDUAL_SPACE", "UNIFORM_RESIDUAL_SPACE", "ENTROPY_RESIDUAL_SPACE"])
+@pytest.mark.parametrize("space", ["RESIDUAL_SPACE", "KMEANS_RESIDUAL_SPACE", "ENTROPY_RESIDUAL_SPACE"])
 def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configuration(tmp_path, space):
     """residual_budget=0 (only an exact residual would meet it): every residual save takes the least aggressive
     configuration of its space (mode "least aggressive"), stays a compressed link of the chain, and restores
-    within half of one interval's change; with the uniform quantizer's space too."""
+    within half of one interval's change; with the k-means and entropy-constrained spaces too."""
     space = getattr(config, space)
     states = list(walk(11, 3))
     mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), residual_budget=0.0, residual_space=space)
@@ -424,11 +450,18 @@ def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configu
     assert rms(restored["w"], states[2]["w"]) < 0.5 * rms(states[2]["w"], states[1]["w"])
 
 
-@pytest.mark.parametrize("strict, bins", [(1e4, 32), (2.0, 16)])
-def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, strict, bins):
+STRICT_FINER = 1.5  # an eval_fn scale at which 125 uniform cells of half the step meet epsilon, 63 do not
+
+
+@pytest.mark.parametrize("space, strict, bins, meets", [("KMEANS_RESIDUAL_SPACE", 1e4, 32, False),
+                                                       ("KMEANS_RESIDUAL_SPACE", 2.0, 16, True),
+                                                       ("RESIDUAL_SPACE", 1e4, 249, False),
+                                                       ("RESIDUAL_SPACE", STRICT_FINER, 125, True)])
+def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, space, strict, bins, meets):
     """An eval_fn that no configuration of the residual space satisfies: the save measures finer levels beyond
-    it (16, then 32, embedding tables too) and takes the first within epsilon, else the best measured; the step
-    restores to the reconstruction that was measured, and the next save searches the residual space again."""
+    it (k-means: 16, then 32 levels; 63 uniform cells: 125 then 249 cells over the same range, embedding tables
+    too) and takes the first within epsilon, else the best measured; the step restores to the reconstruction that
+    was measured, and the next save searches the residual space again."""
     states = list(walk(8, 3))
     target = {"i": 0}
 
@@ -436,7 +469,8 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
         w = states[target["i"]]["w"]
         return 1.0 + strict * float(jnp.mean(jnp.abs(s["w"] - w)) / jnp.mean(jnp.abs(w)))
 
-    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig())
+    space = getattr(config, space)
+    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), residual_space=space)
     for i in range(2):
         target["i"] = i
         mngr.save(i, args=ij.InshrinkSave(states[i], eval_fn=quality))
@@ -444,13 +478,13 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, stri
     rec = mngr.item_metadata(1)["search"]
     assert rec["coding"] == "residual" and rec["mode"] == "guarded"
     assert (rec["chosen"]["bins"], rec["chosen"]["embedding_bins"]) == (bins, bins)
-    assert (rec["degradation"] <= 0.01) == (bins == 16)
+    assert (rec["degradation"] <= 0.01) == meets
     restored = mngr.restore(1, args=ij.InshrinkRestore(states[1]))
     assert quality(restored) - 1.0 == pytest.approx(rec["degradation"], rel=1e-5)
     target["i"] = 2
     mngr.save(2, args=ij.InshrinkSave(states[2]))  # no eval_fn: the residual space's own choice
     mngr.wait_until_finished()
-    assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= 8
+    assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= max(space.bins)
 
 
 @pytest.mark.parametrize("weighted", [False, pytest.param(True, marks=pytest.mark.slow)])

@@ -105,7 +105,7 @@ def test_a_packed_stream_with_a_bad_width_is_refused():
 
 
 @pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_RUNS, codec.ZSTD_PLANES,
-                                   codec.ZSTD_PACKED, codec.ZSTD_RADIX, codec.ZSTD_RANK])
+                                   codec.ZSTD_PACKED, codec.ZSTD_RADIX, codec.ZSTD_RANK, codec.ZSTD_ESCAPE])
 def test_a_stream_of_another_size_is_refused_before_allocating(which):
     a = np.zeros(4096, np.uint8)
     a[::5] = 7
@@ -202,3 +202,52 @@ def test_a_corrupt_stream_leaves_the_reused_contexts_working():
 def test_byte_counts_refuses_other_dtypes():
     with pytest.raises(TypeError, match="uint8"):
         codec.byte_counts(np.zeros(10, np.int64))
+
+
+@hypothesis.given(st.integers(0, 5000), st.integers(1, 40), st.floats(0.0, 0.5), st.integers(0, 2**31 - 1))
+def test_escape_streams_round_trip(n, distinct, tail, seed):
+    """"zstd-escape": any uint8 stream, few or many distinct values, any share of them outside the five kept."""
+    rng = np.random.default_rng(seed)
+    alphabet = rng.choice(256, size=distinct, replace=False).astype(np.uint8)
+    p = np.where(np.arange(distinct) < 5, 1.0, tail)
+    a = rng.choice(alphabet, size=n, p=p / p.sum()).astype(np.uint8)
+    blob = codec.compress(a, codec.ZSTD_ESCAPE, codec.CODE_LEVEL)
+    np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, codec.ZSTD_ESCAPE, n), np.uint8), a)
+
+
+@pytest.mark.parametrize("step", [1.5, 2.0, 2.5])
+def test_many_cell_codes_with_a_rare_tail_cost_about_what_five_cells_do(step):
+    """Codes of a uniform quantizer with 63 cells (values 1..63, the centre 32) of a heavy-tailed residual: most
+    values in the central five cells, a rare tail in the others. "zstd-escape" is chosen and stores them within
+    4% of the bytes of the same codes clipped to the five central cells (plain zstd, one value a byte: 1.4-1.8x
+    their order-0 entropy)."""
+    rng = np.random.default_rng(1)
+    r = rng.standard_t(4, size=400_000)
+    a = (np.clip(np.round(r / (step * r.std())), -31, 31) + 32).astype(np.uint8)
+    five = np.clip(a, 30, 34)
+    assert np.unique(a).size > 5
+    blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
+    assert used == codec.ZSTD_ESCAPE
+    clipped = len(codec.compress_best(five, codec.CODE_CODECS, codec.CODE_LEVEL)[0])
+    assert len(blob) <= 1.04 * clipped, (len(blob), clipped)
+    assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.4 * codec.order0_entropy_bytes(a)
+    assert codec.decompress(blob, used, a.size) == a.tobytes()
+
+
+def test_an_escape_stream_with_a_bad_header_is_refused():
+    a = np.repeat(np.array([32, 31, 33, 30, 34, 9, 60], np.uint8), [40, 20, 15, 10, 8, 4, 3])
+    blob = codec.compress(np.tile(a, 20), codec.ZSTD_ESCAPE)
+    a = np.tile(a, 20)
+    assert blob[:6] == bytes([5, 30, 31, 32, 33, 34])
+    with pytest.raises(codec.CodecError, match="ascending"):
+        codec.decompress(blob[:1] + bytes([31, 30]) + blob[3:], codec.ZSTD_ESCAPE, a.size)
+    with pytest.raises(codec.CodecError, match="list of values"):
+        codec.decompress(b"\x06" + blob[1:], codec.ZSTD_ESCAPE, a.size)
+    with pytest.raises(codec.CodecError, match="ranked part"):
+        codec.decompress(blob[:6] + np.array([2**40], "<u8").tobytes() + blob[14:], codec.ZSTD_ESCAPE, a.size)
+    with pytest.raises(codec.CodecError, match="base"):
+        codec.decompress(blob[:14] + b"\x05" + blob[15:], codec.ZSTD_ESCAPE, a.size)
+    ranked_end = 14 + int(np.frombuffer(blob[6:14], "<u8")[0])
+    short = blob[:ranked_end] + codec.compress(np.zeros(3, np.uint8), codec.ZSTD)
+    with pytest.raises(codec.CodecError, match="3 other values for 140 escapes"):
+        codec.decompress(short, codec.ZSTD_ESCAPE, a.size)

@@ -441,7 +441,7 @@ def test_epsilon_is_the_knob_of_a_saves_bytes(tmp_path, run):
     assert written[0.05] < 0.7 * written[0.001]
 
 
-RESIDUAL_CUBE = search.Cube.build(config.RESIDUAL_SPACE, True, QuantConfig(), residual=True)
+RESIDUAL_CUBE = search.Cube.build(config.KMEANS_RESIDUAL_SPACE, True, QuantConfig(), residual=True)
 RESIDUAL_POINTS = list(itertools.product(*[range(len(v)) for v in RESIDUAL_CUBE.values]))
 
 
