@@ -317,6 +317,10 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
         level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
+        if uniform:  # a cell no value takes is never decoded: stored as 0 (the records of 63 cells stay short)
+            taken = jax.vmap(lambda lv, keep: jnp.zeros(kind.capacity, bool).at[lv.reshape(-1) - 1].max(
+                keep.reshape(-1)))(level, ~(p | q))
+            c = jnp.where(taken, c, 0.0)
         out.append((code, jnp.where(used, c, 0.0), _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
     return out
@@ -416,8 +420,6 @@ def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
     grid = (slots - (bins - 1) // 2).astype(jnp.float32) * width
     means = (count > 0) if not centred else (count > 0) & ((slots == 0) | (slots == bins - 1))
     levels = jnp.where(means, total / jnp.where(count > 0, count, 1.0), grid)
-    if centred:  # a cell no value takes is never decoded: stored as 0 (the records' text of 63 cells stays short)
-        levels = jnp.where(count > 0, levels, 0.0)
     return jnp.where(slots < bins, levels, jnp.inf), width
 
 
