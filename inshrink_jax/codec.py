@@ -394,13 +394,21 @@ def _digit_table(base: int, alphabet: bytes) -> tuple[np.ndarray, int]:
     return table, width
 
 
-def _decompress_rank(blob: bytes, size: int) -> bytes:
+def _alphabet(blob: bytes, most: int, after: int, name: str) -> np.ndarray:
+    """The alphabet that heads a "zstd-rank" or "zstd-escape" stream: a count k in [1, `most`], then k strictly
+    ascending byte values, then at least `after` more bytes."""
     k = blob[0] if len(blob) else 0
-    if not 1 <= k <= _RADIX_MAX or len(blob) < 1 + k:
-        raise CodecError("zstd-rank stream has no valid alphabet")
+    if not 1 <= k <= most or len(blob) < 1 + k + after:
+        raise CodecError(f"{name} stream has no valid alphabet")
     alphabet = np.frombuffer(blob[1:1 + k], np.uint8)
     if k > 1 and not np.all(alphabet[1:] > alphabet[:-1]):
-        raise CodecError("zstd-rank alphabet is not strictly ascending")
+        raise CodecError(f"{name} alphabet is not strictly ascending")
+    return alphabet
+
+
+def _decompress_rank(blob: bytes, size: int) -> bytes:
+    alphabet = _alphabet(blob, _RADIX_MAX, 0, ZSTD_RANK)
+    k = alphabet.size
     packed, base = _radix_packed(blob[1 + k:], size)
     if base == k:  # every digit is below k: a rank (what the encoder writes for k >= 2)
         return _unpack(packed, base, size, alphabet.tobytes()).tobytes()
@@ -411,12 +419,8 @@ def _decompress_rank(blob: bytes, size: int) -> bytes:
 
 
 def _decompress_escape(blob: bytes, size: int) -> bytes:
-    k = blob[0] if len(blob) else 0
-    if not 1 <= k <= _ESCAPE_KEEP or len(blob) < 9 + k:
-        raise CodecError("zstd-escape stream has no valid list of values")
-    kept = np.frombuffer(blob[1:1 + k], np.uint8)
-    if k > 1 and not np.all(kept[1:] > kept[:-1]):
-        raise CodecError("zstd-escape values are not strictly ascending")
+    kept = _alphabet(blob, _ESCAPE_KEEP, 8, ZSTD_ESCAPE)
+    k = kept.size
     n = int(np.frombuffer(blob[1 + k:9 + k], "<u8")[0])
     if n > len(blob) - 9 - k:
         raise CodecError(f"zstd-escape states a ranked part of {n} bytes, the stream has fewer")
