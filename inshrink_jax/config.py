@@ -137,7 +137,7 @@ class SearchSpace:
 # parameter), +0.64% with five centred cells of 1.5 RMS (1.57 bits; benchmarks/results/restore_chain.md). 63
 # cells (+-31 cells: wider than any residual's tail at these steps), not five: a value beyond the outer cell is
 # clipped to it, the same lag for the weights that move most (a pretrained LSTM's fine-tune ended +1.85% with five
-# cells, -0.22% with 63; benchmarks/results/fidelity_lstm.md); the code codec "zstd-escape" stores the rare
+# cells, -0.22% with 63; benchmarks/results/fidelity_lstm_cells.md); the code codec "zstd-escape" stores the rare
 # outer codes for about what five cells cost (codec.py).
 RESIDUAL_SPACE = SearchSpace(bins=(63,), embedding_bins=(63,), prune_fractions=(0.0,), protect_fractions=(0.0,),
                              prune_metrics=("magnitude",), steps=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0))
