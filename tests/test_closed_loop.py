@@ -426,7 +426,8 @@ def test_entropy_constrained_configurations_are_checked():
             config.SearchSpace(**space)
 
 
-@pytest.mark.parametrize("space", ["RESIDUAL_SPACE", "KMEANS_RESIDUAL_SPACE", "ENTROPY_RESIDUAL_SPACE"])
+@pytest.mark.parametrize("space", ["RESIDUAL_SPACE", pytest.param("KMEANS_RESIDUAL_SPACE", marks=pytest.mark.slow),
+                                   "ENTROPY_RESIDUAL_SPACE"])
 def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configuration(tmp_path, space):
     """residual_budget=0 (only an exact residual would meet it): every residual save takes the least aggressive
     configuration of its space (mode "least aggressive"), stays a compressed link of the chain, and restores
@@ -453,8 +454,9 @@ def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configu
 STRICT_FINER = 1.5  # an eval_fn scale at which 125 uniform cells of half the step meet epsilon, 63 do not
 
 
-@pytest.mark.parametrize("space, strict, bins, meets", [("KMEANS_RESIDUAL_SPACE", 1e4, 32, False),
-                                                       ("KMEANS_RESIDUAL_SPACE", 2.0, 16, True),
+@pytest.mark.parametrize("space, strict, bins, meets", [
+    pytest.param("KMEANS_RESIDUAL_SPACE", 1e4, 32, False, marks=pytest.mark.slow),
+    pytest.param("KMEANS_RESIDUAL_SPACE", 2.0, 16, True, marks=pytest.mark.slow),
                                                        ("RESIDUAL_SPACE", 1e4, 249, False),
                                                        ("RESIDUAL_SPACE", STRICT_FINER, 125, True)])
 def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, space, strict, bins, meets):
