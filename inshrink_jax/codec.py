@@ -39,8 +39,11 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 part (little-endian uint64), "zstd-radix" of each value's rank among them or k for any other
                 value (base k + 1: 3 to a byte for k = 5), then zstandard of the other values in order. The
                 central values then pack as five-cell codes do, and the tail costs a byte each, where one value
-                to a byte would leave zstd's Huffman literals at over a bit each (1.12-1.33x the order-0 entropy
-                of 63-cell codes against 1.02-1.28x for five cells: benchmarks/results/residual_coding.md).
+                to a byte leaves zstd's Huffman literals at over a bit each (plain zstd stores 63-cell codes of a
+                heavy-tailed residual at over 1.4x their order-0 entropy, zstd-escape within 4% of the same codes
+                clipped to five cells: tests/test_codec.py; the residual codes of the character transformer:
+                1.03-1.28x at steps 1-3 x RMS, benchmarks/results/residual_coding.md). Tried only when the five
+                hold at least 7/8 of the stream.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -128,9 +131,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         alphabet = np.flatnonzero(counts).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
         if alphabet.size > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
-        rank_of = np.zeros(256, np.uint8)
-        rank_of[alphabet] = np.arange(alphabet.size, dtype=np.uint8)
-        ranks = np.take(rank_of, arr)  # a table lookup, not a search per byte
+        ranks = _ranks(arr, alphabet, 0)
         return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
     elif codec == ZSTD_ESCAPE:
         arr = _bytes_view(data)
@@ -138,9 +139,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
             counts = byte_counts(arr)
         top = np.argsort(counts, kind="stable")[::-1][:_ESCAPE_KEEP]  # the most frequent values
         kept = np.sort(top[counts[top] > 0]).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
-        rank_of = np.full(256, kept.size, np.uint8)
-        rank_of[kept] = np.arange(kept.size, dtype=np.uint8)
-        ranks = np.take(rank_of, arr)
+        ranks = _ranks(arr, kept, kept.size)
         ranked = _radix_of(ranks, kept.size + 1, level)
         rest = arr[ranks == kept.size]
         return (bytes([kept.size]) + kept.tobytes() + np.array([len(ranked)], "<u8").tobytes() + ranked
@@ -151,6 +150,14 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_L
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
                          f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}")
     return _compressor(level).compress(buf)
+
+
+def _ranks(arr: np.ndarray, alphabet: np.ndarray, other: int) -> np.ndarray:
+    """Each byte's index in `alphabet` (ascending uint8 values), `other` for a byte not in it: a table lookup, not
+    a search per byte."""
+    rank_of = np.full(256, other, np.uint8)
+    rank_of[alphabet] = np.arange(alphabet.size, dtype=np.uint8)
+    return np.take(rank_of, arr)
 
 
 def _radix_of(arr: np.ndarray, base: int, level: int) -> bytes:
@@ -247,8 +254,10 @@ def _can_win(codec: str, counts: np.ndarray | None) -> bool:
     are then a relabelling of the ranks')."""
     if codec in (ZSTD_RLE, ZSTD_RUNS):
         return 2 * int(counts[0]) >= int(counts.sum())
-    if codec == ZSTD_ESCAPE:  # more values than it ranks (else rank or radix packing codes them all)
-        return np.count_nonzero(counts) > _ESCAPE_KEEP
+    if codec == ZSTD_ESCAPE:  # more values than it ranks (else rank or radix packing codes them all), and the
+        # others rare: at 1/8 of the stream their bytes alone cost a bit a value (near-uniform levels: no pass)
+        kept = np.sort(counts)[::-1][:_ESCAPE_KEEP].sum()
+        return np.count_nonzero(counts) > _ESCAPE_KEEP and 8 * (int(counts.sum()) - int(kept)) <= int(counts.sum())
     if codec in (ZSTD_RADIX, ZSTD_RANK):
         present = np.flatnonzero(counts)
         radix = not counts[_RADIX_MAX:].any()

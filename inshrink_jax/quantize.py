@@ -402,7 +402,8 @@ def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
     steadily enters a cell at its inner edge and is moved by that level, less than a cell, so between crossings its
     reconstruction trails it: the error is a lag along the direction training moves the weight, not noise, and a
     restore moves the weights back along their update. With centres the jump is a whole cell and the error
-    averages to 0 along the drift (tests/test_closed_loop.py: means left it at 58% of the mean error). Ten
+    averages to 0 along the drift (tests/test_closed_loop.py's drift test, run against commit f460fce's cell
+    means, finds it at 58% of the mean error). Ten
     restores of the character transformer from five cells of 1.5 RMS cost +1.85% of paired training loss with
     means, +0.64% with centres, at the same codes (benchmarks/results/restore_chain.md). Not `centred` (first
     moments, moments.py: coded afresh at each save, no chain): every level its cell's mean (an empty cell keeps

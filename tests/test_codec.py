@@ -251,3 +251,15 @@ def test_an_escape_stream_with_a_bad_header_is_refused():
     short = blob[:ranked_end] + codec.compress(np.zeros(3, np.uint8), codec.ZSTD)
     with pytest.raises(codec.CodecError, match="3 other values for 140 escapes"):
         codec.decompress(short, codec.ZSTD_ESCAPE, a.size)
+
+
+def test_escape_is_not_tried_on_near_uniform_levels():
+    """Codes of 16 near-equally used levels (a keyframe's k-means codes): the values outside any five are over 1/8
+    of the stream, so "zstd-escape" (a byte per such value) cannot win and takes no pass; a 63-cell residual's
+    codes, nearly all in five cells, do."""
+    rng = np.random.default_rng(2)
+    flat = rng.integers(1, 17, 100_000).astype(np.uint8)
+    assert not codec._can_win(codec.ZSTD_ESCAPE, codec.byte_counts(flat))
+    r = rng.standard_t(4, 100_000)
+    tail = (np.clip(np.round(r / (1.5 * r.std())), -31, 31) + 32).astype(np.uint8)
+    assert codec._can_win(codec.ZSTD_ESCAPE, codec.byte_counts(tail))
