@@ -32,6 +32,11 @@ import inshrink_jax as ij  # noqa: E402
 from inshrink_jax import codec, delta, quantize, save, store  # noqa: E402
 import report  # noqa: E402
 
+try:  # optional (not a dependency): an rANS coder, to see what coding each stream at its order-0 bound would gain
+    import constriction
+except ImportError:
+    constriction = None
+
 VARIANTS = ("codes", "delta", "rearranged")
 WHY_ABOVE_H0 = (
     "What is left above H0: zstd codes literals with Huffman, which costs up to ~0.1-0.2 bit per symbol more than "
@@ -58,10 +63,24 @@ def stream_kind(rec, extra: dict) -> str:
     return STREAM_KINDS[3] if extra.get("base") else STREAM_KINDS[2]
 
 
+def rans_bytes(symbols: np.ndarray) -> int | None:
+    """Bytes of `symbols` under constriction's rANS coder at the stream's own order-0 model, plus 3 bytes per
+    distinct symbol for that model (its value and frequency); None without constriction installed."""
+    if constriction is None:
+        return None
+    values, counts = np.unique(symbols, return_counts=True)
+    if values.size == 1:
+        return 3 + 4
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(np.searchsorted(values, symbols).astype(np.int32),
+                         constriction.stream.model.Categorical(counts / counts.sum(), perfect=False))
+    return coder.get_compressed().nbytes + 3 * values.size
+
+
 def recording_streams(log: list):
     """save._encode_shard wrapped so that every code stream the handler stores is appended to `log` as
-    (kind, stored bytes, its order-0 entropy in bytes, symbols): the stream decoded from what is stored, so the
-    figures are of exactly the bytes written."""
+    (kind, stored bytes, its order-0 entropy in bytes, symbols, `rans_bytes` of it or None): the stream decoded
+    from what is stored, so the figures are of exactly the bytes written."""
     original = save._encode_shard
 
     def wrapped(rec, box, payload, chain, keyframe_every, prior):
@@ -70,7 +89,8 @@ def recording_streams(log: list):
             blob, cid, extra = segments["codes"]
             n = int(np.prod(store.box_shape(box)))
             symbols = np.frombuffer(codec.decompress(blob, cid, n), np.uint8)
-            log.append((stream_kind(rec, extra), len(blob), codec.order0_entropy_bytes(symbols), n))
+            log.append((stream_kind(rec, extra), len(blob), codec.order0_entropy_bytes(symbols), n,
+                        rans_bytes(symbols)))
         return segments, link
     return wrapped
 
@@ -106,17 +126,33 @@ def default_lines(log: list, steps: int, every: int) -> list[str]:
              f"through steps 0..{steps} with CompressionConfig() (closed loop, keyframe_every=32, the search "
              "with its data-free proxy: no eval_fn) and every code stream the handler stored decoded from its "
              "bytes: stored bytes against the stream's own order-0 entropy (each stream's frame header and "
-             "table included in the stored bytes).", "",
-             "| stream | streams | symbols | H0 bytes | stored bytes | stored / H0 |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "table included in the stored bytes).", ""]
+    return lines + stream_table(log)
+
+
+def stream_table(log: list) -> list[str]:
+    """The table of a `recording_streams` log: per kind of stream and in all, stored bytes against H0 (and, with
+    constriction installed, what its rANS coder would store: the smaller of it and the stored bytes, per
+    stream)."""
+    rans = all(r[4] is not None for r in log)
+    lines = ["| stream | streams | symbols | H0 bytes | stored bytes | stored / H0 |" +
+             (" rANS bytes | rANS / stored |" if rans else ""),
+             "|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if rans else "")]
     for kind in (*STREAM_KINDS, None):
         rows = [r for r in log if kind is None or r[0] == kind]
         if not rows:
             continue
         h0, stored = sum(r[2] for r in rows), sum(r[1] for r in rows)
         label = "**all code streams**" if kind is None else kind
-        lines.append(f"| {label} | {len(rows):,} | {sum(r[3] for r in rows):,} | {h0:,.0f} | {stored:,} | "
-                     f"{stored / h0 if h0 else float('nan'):.3f} |")
+        line = (f"| {label} | {len(rows):,} | {sum(r[3] for r in rows):,} | {h0:,.0f} | {stored:,} | "
+                f"{stored / h0 if h0 else float('nan'):.3f} |")
+        if rans:
+            r = sum(min(x[4], x[1]) for x in rows)
+            line += f" {r:,} | {r / stored:.3f} |"
+        lines.append(line)
+    if not rans:
+        lines += ["", "(With the optional `constriction` package installed the table adds what its rANS coder would "
+                      "store.)"]
     return lines
 
 

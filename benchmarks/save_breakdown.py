@@ -9,14 +9,8 @@ loss as eval_fn, saving every 30 steps --saves times. Then splits the last save'
 Adam's mu and nu; quantized or stored exactly) and by file (code and data blobs, manifest, offset table), and
 restores that step without a target in a fresh Python process: wall time and the number of decode kernels it
 compiled; then, in that process, the same restore again (warm) alternated with Orbax's StandardCheckpointer
-restoring the same state from its own checkpoint (medians, and their ratio).
-
-It also reads back every code stream of every save of the run (read from disk right after each save, so retention
-does not matter): weight codes, closed-loop residual codes and level-index deltas, each decoded by the library's
-own reader, and compares its stored bytes with the order-0 entropy of its symbols (the bound of a memoryless
-symbol coder, with nothing charged for the symbol table), per leaf group and per codec; with the optional
-`constriction` package installed, also what its rANS coder (at the order-0 model of each stream, plus three bytes
-a distinct symbol for the model) would store instead.
+restoring the same state from its own checkpoint (medians, and their ratio). It also records every code stream
+the run's saves stored against its order-0 entropy (bench_delta.py's recorder and table).
 """
 
 from __future__ import annotations
@@ -30,22 +24,17 @@ import sys
 import tempfile
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import bench_delta  # noqa: E402
 import bench_fault_tolerance as ft  # noqa: E402
 import bench_fidelity  # noqa: E402
 import digits  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
 
-from inshrink_jax import codec, store  # noqa: E402
-
-try:  # optional: an rANS coder, to see what coding at the order-0 bound would gain over the library's codecs
-    import constriction
-except ImportError:
-    constriction = None
+from inshrink_jax import save, store  # noqa: E402
 
 RESTORE = """
 import json, statistics, sys, tempfile, time
@@ -74,45 +63,6 @@ print(json.dumps({"seconds": first, "kernels": kernels, "again": statistics.medi
 REPEATS = 7  # warm restores of each kind, alternated; the table gives their medians
 
 
-def group_of(leaf: str, meta) -> str:
-    return "mu" if ".mu" in leaf else "nu" if ".nu" in leaf else "parameters" if meta.part == "params" else "other"
-
-
-def rans_bytes(symbols):
-    """Bytes of `symbols` under constriction's rANS coder at the stream's own order-0 model, plus 3 bytes per
-    distinct symbol for that model (value and frequency); None without constriction."""
-    if constriction is None:
-        return None
-    values, counts = np.unique(symbols, return_counts=True)
-    if values.size == 1:
-        return 3 + 4
-    coder = constriction.stream.stack.AnsCoder()
-    coder.encode_reverse(np.searchsorted(values, symbols).astype(np.int32),
-                         constriction.stream.model.Categorical(counts / counts.sum(), perfect=False))
-    return coder.get_compressed().nbytes + 3 * values.size
-
-
-def code_streams(directory, totals) -> None:
-    """Adds every code stream of the step at `directory` to `totals`: (group, codec) -> [streams, symbols,
-    stored bytes, order-0 entropy bytes, rANS bytes or None]."""
-    reader = store.Reader(directory)
-    for leaf, shards in reader.shards.items():
-        for p, shard in shards:
-            seg = shard.segments.get("codes")
-            if seg is None:
-                continue
-            symbols = reader.array(leaf, p, seg, "codes", np.uint8, store.box_shape(shard.box)).reshape(-1)
-            r = rans_bytes(symbols)
-            for key in ((group_of(leaf, reader.leaves[leaf]), seg.codec), ("all", "all")):
-                t = totals.setdefault(key, [0, 0, 0, 0.0, 0 if r is not None else None])
-                t[0] += 1
-                t[1] += symbols.size
-                t[2] += seg.length
-                t[3] += codec.order0_entropy_bytes(symbols)
-                if r is not None:
-                    t[4] += min(r, seg.length)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--saves", type=int, default=4)
@@ -128,7 +78,8 @@ def main(argv=None):
     root = tempfile.mkdtemp()
     mngr = ocp.CheckpointManager(root, item_handlers=ft.ij.InshrinkCheckpointHandler(cfg),
                                  options=ocp.CheckpointManagerOptions(max_to_keep=3))
-    seen, new, streams = {}, {}, {}
+    seen, new, streams = {}, {}, []
+    original, save._encode_shard = save._encode_shard, bench_delta.recording_streams(streams)
     for step in range(1, 30 * args.saves + 1):
         state, _, grads = digits.train_step(state, *work.batch(step))
         if sens.active(step):
@@ -136,16 +87,16 @@ def main(argv=None):
         if step % 30 == 0:
             mngr.save(step, args=ft.ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
             mngr.wait_until_finished()
-            code_streams(os.path.join(root, str(step), "default"), streams)
             now = report.files(root)
             new, seen = {p: n for p, n in now.items() if seen.get(p) != n}, now
     mngr.close()
+    save._encode_shard = original
     last = 30 * args.saves
     reader = store.Reader(os.path.join(root, str(last), "default"))
     groups = collections.Counter()
     for leaf, shards in reader.shards.items():
         meta = reader.leaves[leaf]
-        who = group_of(leaf, meta)
+        who = "mu" if ".mu" in leaf else "nu" if ".nu" in leaf else "parameters" if meta.part == "params" else "other"
         how = "quantized" if meta.kind == "quantized" else "stored exactly"
         groups[f"{who}, {how}"] += sum(s.length for _, sh in shards for s in sh.segments.values())
     files, as_json = collections.Counter(), collections.Counter()
@@ -177,18 +128,8 @@ def main(argv=None):
                   f"(median of {REPEATS}): {restored['again']:.3f} s, against {restored['orbax']:.3f} s for Orbax's "
                   f"StandardCheckpointer restoring the same state from its default checkpoint, alternated with it: "
                   f"{restored['again'] / restored['orbax']:.1f}x."]
-    lines += ["", f"Every code stream of the {args.saves} saves, read back from disk: stored bytes against the order-0 "
-                  "entropy (H0) of its symbols" + ("; rANS: constriction's rANS coder at each stream's order-0 "
-                                                   "model plus 3 bytes a distinct symbol, or the stored bytes where "
-                                                   "smaller" if constriction is not None else
-                                                   " (constriction not installed: no rANS column)") + ".", "",
-              "| leaf group | codec | streams | symbols | stored bytes | H0 bytes | stored / H0 |"
-              + (" rANS bytes | rANS / stored |" if constriction is not None else ""),
-              "|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if constriction is not None else "")]
-    for (g, c), (n, size, stored, h0, r) in sorted(streams.items(), key=lambda kv: (kv[0] == ("all", "all"),
-                                                                                    -kv[1][2])):
-        lines.append(f"| {g} | {c} | {n:,} | {size:,} | {stored:,} | {h0:,.0f} | {stored / max(h0, 1e-9):.3f} |"
-                     + (f" {r:,} | {r / max(stored, 1):.3f} |" if r is not None else ""))
+    lines += ["", f"Every code stream the {args.saves} saves stored, decoded from its bytes, against its order-0 "
+                  "entropy (bench_delta.py's table):", ""] + bench_delta.stream_table(streams)
     report.emit(lines, args.out)
 
 
