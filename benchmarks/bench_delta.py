@@ -13,6 +13,7 @@ kernel); only the code stream differs. Ratio = float32 bytes of all parameters /
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -150,7 +151,11 @@ def stream_table(log: list) -> list[str]:
             r = sum(min(x[4], x[1]) for x in rows)
             line += f" {r:,} | {r / stored:.3f} |"
         lines.append(line)
-    if not rans:
+    if rans:
+        version = importlib.metadata.version("constriction")
+        lines += ["", f"(rANS columns: constriction {version}, installed beside the benchmark with `pip install "
+                      f"constriction=={version}`; not a dependency of inshrink_jax.)"]
+    else:
         lines += ["", "(With the optional `constriction` package installed the table adds what its rANS coder would "
                       "store.)"]
     return lines
