@@ -13,6 +13,12 @@ parameters' coding, which bench_fidelity.py's attribution rows found to be the w
 configuration at every save. restore_damage.py measures one restore of each coder with nothing carried over; this
 measures whether what it found holds when the damage of 10 restores can add up.
 
+First-moment coders (names starting "mu:") code Adam's `mu` instead, everything else exact (the parameters
+too): a NumPy copy of the library's first-moment quantizer (moments.py), the ratio u = mu / nu^p uniformly
+quantized in cells of a multiple of its RMS, each cell decoding to its values' mean, and mu' = u' nu^p; p = 1/2 as
+the library codes it, p = 1/4 as a test of weighting the update's error by nu^(1/2) (the parameters' weighting
+argument of weighting.py). Bits: order-0 entropy of the cell indices.
+
 Final: the held-out loss after step 600 against the uninterrupted run's (final quality scatters under any
 perturbation: the fidelity benchmark's noise floor on this workload is 3.75%); paired: the mean training loss of
 the 10 steps after each resume against the uninterrupted run's on the same batches, and its mean over resumes.
@@ -33,6 +39,7 @@ sys.path.insert(0, HERE)
 import bench_fault_tolerance as ft  # noqa: E402
 import digits  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
+from residual_coding import entropy_bits  # noqa: E402
 from restore_damage import EVERY, STEPS, WINDOW, LIBRARY, REFERENCE, code_save, k_means, second_moment  # noqa: E402
 
 from inshrink_jax.config import CompressionConfig  # noqa: E402
@@ -53,12 +60,42 @@ CODERS = {"k-means 4 levels, half pruned": LIBRARY["k-means 4 levels, half prune
               REFERENCE["NumPy uniform, cells of 1.5 RMS, weighted per element"],
           "NumPy uniform, cells of 2 RMS, weighted per element":
               REFERENCE["NumPy uniform, cells of 2 RMS, weighted per element"],
-          "NumPy uniform, cells of 2.5 RMS, weighted per element": ("element", 2.5)}
+          "NumPy uniform, cells of 2.5 RMS, weighted per element": ("element", 2.5),
+          "mu: cells of 1.1 RMS of mu / sqrt(nu)": ("mu", 0.5, 1.1),
+          "mu: cells of 1.9 RMS of mu / sqrt(nu)": ("mu", 0.5, 1.9),
+          "mu: cells of 1.1 RMS of mu / nu^(1/4)": ("mu", 0.25, 1.1),
+          "mu: cells of 1.9 RMS of mu / nu^(1/4)": ("mu", 0.25, 1.9)}
+
+
+def code_first_moments(state, power: float, step: float):
+    """(state with Adam's `mu` replaced by its coding, bits a first-moment element): u = mu / nu^power in uniform
+    cells of `step` times u's RMS, each cell decoding to its values' mean (0 stays 0), per tensor of 64 or more
+    elements (smaller ones exact)."""
+    def is_adam(x):
+        return hasattr(x, "nu") and hasattr(x, "mu")
+    adam = [s for s in jax.tree_util.tree_leaves(state.opt_state, is_leaf=is_adam) if is_adam(s)][0]
+    coded, bits, n = [], 0.0, 0
+    for m, v in zip(jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu)):
+        if m.size < 64:
+            coded.append(m)
+            continue
+        m64, v64 = np.asarray(m, np.float64), np.asarray(v, np.float64)
+        scale = np.where(v64 > 0, v64, 1.0) ** power
+        u = np.where(v64 > 0, m64 / scale, 0.0)
+        q = np.round(u / (step * np.sqrt(np.mean(u * u)) + 1e-30)).astype(np.int64)
+        _, inv = np.unique(q, return_inverse=True)
+        means = (np.bincount(inv.ravel(), u.ravel()) / np.bincount(inv.ravel()))[inv].reshape(u.shape)
+        coded.append(jax.numpy.asarray(np.where(q == 0, 0.0, means) * scale, m.dtype))
+        bits += entropy_bits(q)
+        n += m.size
+    mu = jax.tree.unflatten(jax.tree.structure(adam.mu), coded)
+    opt = jax.tree.map(lambda x: x._replace(mu=mu) if is_adam(x) else x, state.opt_state, is_leaf=is_adam)
+    return state.replace(opt_state=opt), bits / n
 
 
 def run(work, coder, cfg):
     """(training loss per step as first trained, training losses of the WINDOW steps after each resume, final
-    held-out loss, bits a parameter per residual save, seconds). `coder` None: the uninterrupted run."""
+    held-out loss, bits an element per coded save, seconds). `coder` None: the uninterrupted run."""
     t0 = time.perf_counter()
     state = work.create_state()
     tdef = jax.tree.structure(state.params)
@@ -70,7 +107,11 @@ def run(work, coder, cfg):
         if resumed_at is not None and step <= resumed_at + WINDOW:
             after[-1].append(float(loss))
         losses.setdefault(step, float(loss))
-        if coder is not None and step % EVERY == 0:
+        if coder is not None and coder[0] == "mu" and step % EVERY == 0:
+            coded, b = code_first_moments(state, *coder[1:])
+            bits.append(b)
+            saved = (step, coded)
+        elif coder is not None and step % EVERY == 0:
             flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
             if recon is None:
                 recon = [x for _, x in flat]
@@ -108,13 +149,14 @@ def main(argv=None):
               f"{np.mean(paired):+.3%} ({secs:.0f} s)", flush=True)
     cmd = "python benchmarks/restore_chain.py" + (" --coders " + " ".join(f"'{c}'" for c in args.coders)
                                                    if args.coders != list(CODERS) else "")
-    lines = ["# Ten restores per residual coder (character transformer, parameters only)", "",
+    lines = ["# Ten restores per coder (character transformer, one part of the state coded)", "",
              f"Command: `{cmd}" + (f" --out {args.out}`" if args.out else "`"), "",
              __doc__.split("\n\n", 2)[2].strip().replace("\n", " "), "",
              f"Uninterrupted: held-out loss {ref_final:.4f} after step {STEPS}. Resumes from the saves at steps "
-             f"{', '.join(map(str, resumes))}. Bits: the mean over the {STEPS // EVERY - 1} residual saves "
+             f"{', '.join(map(str, resumes))}. Bits: per element of the part coded, the mean over the saves coded "
+             f"(the {STEPS // EVERY - 1} residual saves of the parameters; all {STEPS // EVERY} of a first moment) "
              "(library coders: stored code streams; NumPy: order-0 entropy).", "",
-             "| coder | bits a parameter | final held-out loss | paired, after each resume | paired, mean |",
+             "| coder | bits an element | final held-out loss | paired, after each resume | paired, mean |",
              "|---|---:|---:|---|---:|"]
     for name, b, fin, paired in rows:
         lines.append(f"| {name} | {b:.3f} | {fin:+.2%} | {' / '.join(f'{p:+.2%}' for p in paired)} | "
