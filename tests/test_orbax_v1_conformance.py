@@ -15,6 +15,7 @@ pytest.importorskip("chex")  # Orbax's test utilities import it (the dev extra i
 absl_flags = pytest.importorskip("absl.flags")
 absl_flags.FLAGS(["pytest"], known_only=True)  # absltest's temporary directories read its flags
 
+from orbax.checkpoint.experimental import v1 as ocp_v1  # noqa: E402
 from orbax.checkpoint.experimental.v1._src.handlers import registration  # noqa: E402
 from orbax.checkpoint.experimental.v1._src.training import checkpointer_test_base  # noqa: E402
 
@@ -29,6 +30,22 @@ class TestV1Checkpointer(checkpointer_test_base.CheckpointerTestBase.Test):
         ours, glob = ij.v1_registry(LOSSLESS), registration.global_registry()
         self.enter_context(mock.patch.object(glob, "_registry", list(ours._registry)))
         self.enter_context(mock.patch.object(glob, "_secondary_typestrs", dict(ours._secondary_typestrs)))
+
+    # test_close and test_context_manager_close assert that the step's temporary directory exists as soon as
+    # save_async returns. Under v1's default AsyncOptions (create_directories_asynchronously=True) that directory is
+    # made by a background thread, so the assertion races it (it failed on a loaded 2-core CI run); with directories
+    # made synchronously the order is the one the assertion means, and everything else the tests check is unchanged.
+    def _with_sync_directories(self, test):
+        context = ocp_v1.Context()
+        context.async_options.create_directories_asynchronously = False
+        with context:
+            test()
+
+    def test_close(self):
+        self._with_sync_directories(super().test_close)
+
+    def test_context_manager_close(self):
+        self._with_sync_directories(super().test_context_manager_close)
 
     @unittest.skip("asserts Orbax's OCDBT data files (d/ and their mtimes), which inshrink_jax does not write")
     def test_save_async(self):
