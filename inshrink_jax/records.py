@@ -9,6 +9,7 @@ checkpoints read as records too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal, TypedDict
 
 import jax
@@ -32,6 +33,12 @@ DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 
 class RecordError(ValueError):
     """A record read from a checkpoint file lacks a field or has one of the wrong type."""
+
+
+@functools.cache
+def _field_names(cls) -> frozenset[str]:
+    """The field names of a record dataclass (what its `from_json` keeps of an entry)."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _check(cond: bool, what: str) -> None:
@@ -153,7 +160,7 @@ class Leaf:
         _check(isinstance(d, dict) and d.get("kind") in LEAF_KINDS, f"a leaf entry has no valid kind: {str(d)[:80]}")
         _check(isinstance(d.get("keystr"), str) and isinstance(d.get("path"), list) and all(
             _is_path_entry(e) for e in d["path"]), f"a leaf entry has no valid key path: {str(d)[:80]}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = _field_names(cls)
         leaf = cls(**{k: v for k, v in d.items() if k in known})
         if leaf.kind != "scalar":
             _check(isinstance(leaf.shape, list) and all(isinstance(n, int) and n >= 0 for n in leaf.shape),
@@ -202,7 +209,7 @@ class Manifest:
         for name, kind in (("format", str), ("version", int), ("process_count", int), ("object", str),
                            ("leaves", list)):
             _check(isinstance(d.get(name), kind), f"the manifest has no valid {name!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = _field_names(cls)
         fields = {k: v for k, v in d.items() if k in known and (v is not None or k in ("quant", "base"))}
         fields["leaves"] = [Leaf.from_json(m) for m in d["leaves"]]
         base = fields.get("base")
@@ -250,24 +257,28 @@ class Segment:
 
     @classmethod
     def from_json(cls, d: Any) -> "Segment":
-        _check(isinstance(d, dict), "a segment entry is not an object")
+        # (Every offset table holds one of these per stored stream, and a restore reads the table of each object
+        # along its chains: the checks are written to cost little.)
+        _check(type(d) is dict, "a segment entry is not an object")
         d = {"file": CODES_FILE, **d}  # format version 2 kept every segment in the code-stream file
         for name in ("offset", "length", "crc32"):
-            _check(isinstance(d.get(name), int) and d[name] >= 0, f"a segment has no valid {name!r}")
-        _check(d["file"] in (CODES_FILE, DATA_FILE) and isinstance(d.get("codec"), str), "a segment's file or codec")
+            v = d.get(name)
+            _check(type(v) is int and v >= 0, f"a segment has no valid {name!r}")
+        _check(d["file"] in (CODES_FILE, DATA_FILE) and type(d.get("codec")) is str, "a segment's file or codec")
         _check(d.get("dtype") is None or d["dtype"] in DTYPES, f"a segment's dtype {str(d.get('dtype'))[:40]!r}")
-        _check(all(d.get(k) is None or (isinstance(d[k], int) and not isinstance(d[k], bool) and d[k] >= 0)
-                   for k in ("count", "modulus")), "a segment's count or modulus")
-        _check(d.get("base") is None or isinstance(d["base"], str), "a segment's base")
-        _check(d.get("prior") is None or isinstance(d["prior"], str), "a segment's prior")
+        for name in ("count", "modulus"):
+            v = d.get(name)
+            _check(v is None or (type(v) is int and v >= 0), "a segment's count or modulus")
+        for name in ("base", "prior"):
+            _check(d.get(name) is None or type(d[name]) is str, f"a segment's {name}")
         levels = d.get("levels")
-        _check(levels is None or (isinstance(levels, list) and 1 <= len(levels) <= MAX_LEVELS and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in levels)), "a segment's levels")
+        _check(levels is None or (type(levels) is list and 1 <= len(levels) <= MAX_LEVELS and all(
+            type(v) in (int, float) for v in levels)), "a segment's levels")
         w = d.get("weighting")
         _check(w is None or (isinstance(w, list) and all(isinstance(f, list) and all(
             type(v) is int and -weighting.FACTOR_LIMIT <= v <= weighting.FACTOR_LIMIT for v in f) for f in w)),
             "a segment's weighting")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = _field_names(cls)
         return cls(**{k: v for k, v in d.items() if k in known})
 
 

