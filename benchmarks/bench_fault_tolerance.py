@@ -75,6 +75,7 @@ EXACT = {
     "exact-dropmu": dict(policy_rules=((r"\.mu\b", "drop"), (r"\.nu\b", "lossless"), (r"^\.params", "lossless")),
                          optimizer="lossless"),
 }
+ORBAX = "orbax"  # the baseline the save + restore column is compared with
 METHODS = (["orbax", "bf16", "qd8", "cnr4", "excp", "inshrink-0.05", "inshrink-0.01", "inshrink-acc-0.05", "inshrink-acc-0.01"]
            + [f"inshrink-opt-{p}" for p in OPT_POLICIES] + list(EXACT))
 
@@ -403,18 +404,26 @@ def main(argv=None):
              "there when the state is on one device), over the reference's training time; at failures: the time "
              "the dying manager's close() waited for a save still in flight (a real crash would lose that save "
              "and resume from the one before). Training loss after resumes: mean training loss "
-             f"of the {RESUME_WINDOW} steps after each resume against the reference's on the same batches.", "",
+             f"of the {RESUME_WINDOW} steps after each resume against the reference's on the same batches. "
+             "Save + restore: the overhead plus every restore's seconds (new manager, restore, arrays ready), over "
+             "the reference's training time: what the failures and checkpoints cost the run; x orbax: that against "
+             "the orbax row's, in this run.", "",
              f"| method | params ratio | whole ratio | final {work.metric} | degradation ({work.metric}) | "
              + ("final loss | degradation (loss) | " if loss_cols else "")
              + "training loss after resumes | overhead | at failures | bytes written | "
-             "restore s (all) | run s |",
-             "|---|" + "---:|" * (12 if loss_cols else 10)]
+             "restore s (all) | save + restore | x orbax | run s |",
+             "|---|" + "---:|" * (14 if loss_cols else 12)]
+
+    def cost(r):
+        return (r["blocking"] + r["restore_s"]) / ref["seconds"]
+
     for name, r in rows.items():
         loss = f"{r['quality'][1]:.4f} | {r['degradation'][1]:+.2%} | " if loss_cols else ""
         lines.append(f"| {name} | **{r['params_ratio']:.1f}x** | **{r['whole_ratio']:.1f}x** | {r['quality'][0]:.4f} | "
                      f"**{r['degradation'][0]:+.2%}** | {loss}"
                      f"{r['spike']:+.1%} | {r['blocking'] / ref['seconds']:.2%} | "
                      f"{r['at_failures'] / ref['seconds']:.1%} | {r['written']:,d} | {r['restore_s']:.1f} | "
+                     f"{cost(r):.2%} | {f'{cost(r) / cost(rows[ORBAX]):.2f}x' if ORBAX in rows else '-'} | "
                      f"{r['seconds']:.0f} |")
     if png:
         lines += ["", f"![ratio per checkpoint and quality during training]({os.path.basename(png)})"]
