@@ -105,6 +105,12 @@ def _excp_shrink(dw: np.ndarray, mu: np.ndarray, nu: np.ndarray) -> tuple[dict, 
     return _levels16(dw, keep_w), _levels16(mu, keep_m), _levels16(nu, keep_m)
 
 
+def _batch_stats(state) -> dict:
+    """{"batch_stats": ...} of a TrainState that carries a model's batch statistics, else {}."""
+    stats = getattr(state, "batch_stats", None)
+    return {} if stats is None else {"batch_stats": stats}
+
+
 class Baseline:
     """One baseline format: `save`/`restore` through a CheckpointManager with items "params" and "rest"."""
 
@@ -144,8 +150,9 @@ class Baseline:
         return params
 
     def _rest(self, state):
-        """What the "rest" item stores: the step and the optimizer state (bf16: its float leaves cast)."""
-        rest = {"step": state.step, "opt_state": state.opt_state}
+        """What the "rest" item stores: the step, the optimizer state and the batch statistics of a model that
+        has them (bf16: its float leaves cast)."""
+        rest = {"step": state.step, "opt_state": state.opt_state, **_batch_stats(state)}
         if self.name != "bf16":
             return rest
         return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if isinstance(x, jax.Array)
@@ -195,6 +202,9 @@ class Baseline:
                                   opt_state=jax.tree.unflatten(treedef, opt))
 
     def save(self, mngr, step: int, state):
+        if self.name == "excp" and _batch_stats(state):
+            raise ValueError("the excp baseline stores the parameters and the optimizer state only; this state "
+                             "has batch statistics")
         if self.name == "excp":
             return self._excp_save(mngr, step, state)
         if self.name == "orbax":
@@ -239,6 +249,7 @@ class Baseline:
         target = self._rest(like_state)
         rest = mngr.restore(step, args=ocp.args.Composite(rest=ocp.args.StandardRestore(target)))["rest"]
         rest = jax.tree.map(lambda like, r: r.astype(like.dtype) if isinstance(like, jax.Array) else r,
-                            {"step": like_state.step, "opt_state": like_state.opt_state}, rest)
+                            {"step": like_state.step, "opt_state": like_state.opt_state,
+                             **_batch_stats(like_state)}, rest)
         self._prev = None
-        return like_state.replace(params=params, step=rest["step"], opt_state=rest["opt_state"])
+        return like_state.replace(params=params, **rest)

@@ -80,7 +80,21 @@ METHODS = (["orbax", "bf16", "qd8", "cnr4", "excp", "inshrink-0.05", "inshrink-0
            + [f"inshrink-opt-{p}" for p in OPT_POLICIES] + list(EXACT))
 
 
-class Mnist:
+class Workload:
+    """What the harness runs of a workload besides its data: a training step (state, x, y) -> (state, loss,
+    gradients of the parameters), the model's outputs and its loss. These defaults are digits.py's (a TrainState
+    of parameters only); a workload whose model has other variables overrides them."""
+
+    train_step = staticmethod(digits.train_step)
+
+    def logits(self, state, x):
+        return state.apply_fn({"params": state.params}, x)
+
+    def loss(self, state, x, y):
+        return digits.loss_fn(state.params, state.apply_fn, x, y)
+
+
+class Mnist(Workload):
     name, steps, every, metric, higher = "mnist", 1500, 50, "accuracy", True
 
     def __init__(self, seed: int):
@@ -109,11 +123,10 @@ class Mnist:
     def quality(self, state) -> tuple[float, float]:
         """(accuracy, loss) on the test images."""
         x, y = self.test
-        return (digits.accuracy(state.params, state.apply_fn, x, y),
-                float(digits.loss_fn(state.params, state.apply_fn, x, y)))
+        return float(jnp.mean(jnp.argmax(self.logits(state, x), -1) == y)), float(self.loss(state, x, y))
 
 
-class CharLM:
+class CharLM(Workload):
     name, steps, every, metric, higher = "charlm", 600, 30, "loss", False
 
     def __init__(self, seed: int, steps: int):
@@ -138,7 +151,7 @@ class CharLM:
 
     def quality(self, state) -> tuple[float, float]:
         """(loss, loss) on the test windows (the loss is the metric)."""
-        loss = float(digits.loss_fn(state.params, state.apply_fn, *self.test))
+        loss = float(self.loss(state, *self.test))
         return loss, loss
 
 
@@ -208,11 +221,11 @@ def reference(work, steps: int, every: int) -> dict:
     """The uninterrupted run without checkpoints: final quality, training loss per step, eval loss every
     `every` steps, training seconds."""
     state, losses, curve, seconds = work.create_state(), {}, {}, 0.0
-    eval_loss = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+    eval_loss = jax.jit(lambda s: work.loss(s, *work.eval))
     for step in range(1, steps + 1):
         batch = work.batch(step)
         t = time.perf_counter()
-        state, loss, _ = digits.train_step(state, *batch)
+        state, loss, _ = work.train_step(state, *batch)
         losses[step] = float(loss)  # waits for the step
         seconds += time.perf_counter() - t
         if step % every == 0:
@@ -222,10 +235,10 @@ def reference(work, steps: int, every: int) -> dict:
 
 def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
     """Train with checkpoints and failures; per-save figures, final quality, timings."""
-    curve_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
+    curve_fn = jax.jit(lambda s: work.loss(s, *work.eval))
     if meth.metric == "accuracy":
         x, y = work.eval
-        eval_fn = jax.jit(lambda s: jnp.mean(jnp.argmax(s.apply_fn({"params": s.params}, x), -1) == y))
+        eval_fn = jax.jit(lambda s: jnp.mean(jnp.argmax(work.logits(s, x), -1) == y))
     else:
         eval_fn = curve_fn
     sens = ij.GradientEMA(every=every)
@@ -249,7 +262,7 @@ def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
 
     while step < steps:
         step += 1
-        state, loss, grads = digits.train_step(state, *work.batch(step))
+        state, loss, grads = work.train_step(state, *work.batch(step))
         if resumes and step <= resumes[-1] + RESUME_WINDOW:
             after[step] = float(loss)
         if sens.active(step):
