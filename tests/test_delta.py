@@ -292,3 +292,28 @@ def test_every_listed_step_restores_as_first_restored(tmp_path_factory, policy, 
         for s in mngr.all_steps():
             assert_same(make_manager(root).restore(s), first[s])
     mngr.close()
+
+
+def test_a_chain_restores_alike_with_its_codes_decoded_in_threads_or_in_turn(tmp_path, monkeypatch):
+    # restore.decode_codes decodes shards of at least _THREADED_SIZE elements in a thread pool and smaller ones one
+    # after the other: either way a step at the end of a delta chain comes back bit for bit the same.
+    from inshrink_jax import restore
+
+    mngr = make_manager(tmp_path, keyframe_every=8)
+    for i, state in enumerate(train_like(3, 4)):
+        mngr.save(i, args=ij.InshrinkSave(state))
+    mngr.wait_until_finished()
+    reader = store.Reader(tmp_path / "3" / "default")
+    assert max(reader.codes(k, e.box)[1] for k, sh in reader.shards.items() for _, e in sh
+               if reader.leaves[k].kind == "quantized") == 3  # the deepest chain holds 3 deltas
+    in_turn = restore.restore(reader, None, threads=2)
+    monkeypatch.setattr(restore, "_THREADED_SIZE", 0)
+    pools = []
+    real_pool = restore.concurrent.futures.ThreadPoolExecutor
+    monkeypatch.setattr(restore.concurrent.futures, "ThreadPoolExecutor",
+                        lambda *a, **k: pools.append(a) or real_pool(*a, **k))
+    threaded = restore.restore(store.Reader(tmp_path / "3" / "default"), None, threads=2)
+    monkeypatch.undo()
+    assert pools  # the shards' codes went through the pool
+    assert_same(threaded, in_turn)
+    assert_same(in_turn, mngr.restore(3))
