@@ -246,8 +246,8 @@ def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
     """Decode the codes of every stored shard this process's part of the restore overlaps: delta chains make this
     the bulk of a restore. Shards of at least `_THREADED_SIZE` elements are decoded in parallel threads (NumPy and
     zstandard release the GIL), after the smaller ones, which are decoded one after the other: their time is Python's
-    (reading records, small calls), which threads only contend for (a 440k-parameter transformer's restore took
-    0.57 s with its shards' codes threaded, 0.44 s without)."""
+    (reading records, small calls), which threads only contend for (a small model's restore is faster so:
+    benchmarks/results/save_breakdown.md)."""
     needed = []
     for meta, target in pairs:
         if meta is None or meta.kind != "quantized" or meta.coding == records.CLOSED_LOOP:
