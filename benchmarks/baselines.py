@@ -160,6 +160,9 @@ class Baseline:
 
     def _excp_save(self, mngr, step: int, state):
         """Parameters: a keyframe or shrunk residuals; moments: shrunk (module docstring)."""
+        if _batch_stats(state):
+            raise ValueError("the excp baseline stores the parameters and the optimizer state only; this state "
+                             "has batch statistics")
         keyframe = self._prev is None or self._prev[0] + 1 >= self.cycle
         flat, treedef = jax.tree_util.tree_flatten_with_path(state.params)
         opt_flat, _ = jax.tree_util.tree_flatten_with_path(state.opt_state)
@@ -202,9 +205,6 @@ class Baseline:
                                   opt_state=jax.tree.unflatten(treedef, opt))
 
     def save(self, mngr, step: int, state):
-        if self.name == "excp" and _batch_stats(state):
-            raise ValueError("the excp baseline stores the parameters and the optimizer state only; this state "
-                             "has batch statistics")
         if self.name == "excp":
             return self._excp_save(mngr, step, state)
         if self.name == "orbax":

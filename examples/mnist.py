@@ -52,7 +52,7 @@ def create_state(seed: int = 0, learning_rate: float = 1e-3) -> train_state.Trai
 
 class ResNet(nn.Module):
     """A small residual network with batch normalization: a stride-2 stem, two residual blocks (32 and 64
-    channels, the second after a stride-2 convolution), global average pooling and a dense layer; about 33k
+    channels, the second after a stride-2 convolution), global average pooling and a dense layer; 112k
     parameters."""
 
     @nn.compact

@@ -257,10 +257,12 @@ def decode_codes(reader: store.Reader, pairs: list, threads: int) -> None:
         for _, e in reader.shards.get(meta.keystr, []):
             if any(overlap(b, e.box) is not None for b in boxes):
                 needed.append((meta.keystr, e.box))
-    small = [k for k in needed if math.prod(store.box_shape(k[1])) < _THREADED_SIZE]
-    large = [k for k in needed if math.prod(store.box_shape(k[1])) >= _THREADED_SIZE]
-    for k in small:
-        reader.codes(*k)
+    large = []
+    for k in needed:
+        if math.prod(store.box_shape(k[1])) < _THREADED_SIZE:
+            reader.codes(*k)
+        else:
+            large.append(k)
     if len(large) > 1 and threads > 1:
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             list(pool.map(lambda k: reader.codes(*k), large))
