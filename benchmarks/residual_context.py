@@ -88,10 +88,9 @@ def main(argv=None):
             q = np.round(r / cell).astype(np.int64)
             recon[i] = recon[i] + q * cell
             ratio = m / np.sqrt(v + 1e-16)
-            before = np.minimum(np.abs(previous[i]), 2)
-            contexts = dict(zip(CONTEXTS, (np.zeros(q.size, np.int64), before, quartile(np.abs(ratio)),
-                                           quartile(np.sqrt(v)), quartile(np.abs(x)),
-                                           before * 4 + quartile(np.abs(ratio)), np.sign(m).astype(np.int64) + 1)))
+            before, size = np.minimum(np.abs(previous[i]), 2), quartile(np.abs(ratio))
+            contexts = dict(zip(CONTEXTS, (np.zeros(q.size, np.int64), before, size, quartile(np.sqrt(v)),
+                                           quartile(np.abs(x)), before * 4 + size, np.sign(m).astype(np.int64) + 1)))
             for name, c in contexts.items():
                 bits[name] = bits.get(name, 0.0) + conditional_bits(q, c)
             n += q.size
