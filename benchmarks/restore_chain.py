@@ -13,11 +13,12 @@ parameters' coding, which bench_fidelity.py's attribution rows found to be the w
 configuration at every save. restore_damage.py measures one restore of each coder with nothing carried over; this
 measures whether what it found holds when the damage of 10 restores can add up.
 
-First-moment coders (names starting "mu:") code Adam's `mu` instead, everything else exact (the parameters
-too): a NumPy copy of the library's first-moment quantizer (moments.py), the ratio u = mu / nu^p uniformly
-quantized in cells of a multiple of its RMS, each cell decoding to its values' mean, and mu' = u' nu^p; p = 1/2 as
-the library codes it, p = 1/4 as a test of weighting the update's error by nu^(1/2) (the parameters' weighting
-argument of weighting.py). Bits: order-0 entropy of the cell indices.
+First-moment coders (names starting "mu:") code Adam's `mu` instead, everything else exact (the parameters too): a
+NumPy coder modelled on the library's first-moment quantizer (moments.py) at a fixed cell width (the library picks
+the width per tensor from its budget, and decodes the cell around zero to its mean, where this coder decodes it to
+0): the ratio u = mu / nu^p uniformly quantized in cells of a multiple of its RMS, each cell decoding to its
+values' mean, and mu' = u' nu^p; p = 1/2 as the library codes it, p = 1/4 as a test of weighting the update's
+error by nu^(1/2) (the parameters' weighting argument of weighting.py). Bits: order-0 entropy of the cell indices.
 
 Final: the held-out loss after step 600 against the uninterrupted run's (final quality scatters under any
 perturbation: the fidelity benchmark's noise floor on this workload is 3.75%); paired: the mean training loss of
