@@ -172,8 +172,9 @@ class CompressionConfig:
 
     Attributes:
       epsilon: the quality knob. The quality budget of one save: the largest accepted relative degradation of
-        the eval metric against the uncompressed state at the same step (keyframes are searched under it; a
-        closed-loop residual save's choice is checked against it). The data-free budgets left at None follow it
+        the eval metric against the uncompressed state at the same step (keyframes are searched under it and,
+        closed loop, under `effective_proxy_budget` too; a closed-loop residual save's choice is checked
+        against it). The data-free budgets left at None follow it
         (`effective_residual_budget`, `effective_moment_budget`, `effective_proxy_budget`), so one number steers
         every part of a save: larger, smaller checkpoints with a larger error. 0.01 (the default): within the
         noise of the four fidelity workloads after 10 restores (docs/results.md).
@@ -233,8 +234,10 @@ class CompressionConfig:
       search_batch: candidates encoded and evaluated per round of the search (their device work overlaps).
       proxy_budget: without an eval_fn, a candidate is accepted when its sensitivity-weighted relative
         reconstruction error sum(g^2 (w - w_q)^2) / sum(g^2 w^2) (g = 1 without grads) is at most this
-        (the data-free fallback; docs/how-it-works.md says how the default was chosen). None (the default):
-        `epsilon`.
+        (the data-free fallback; docs/how-it-works.md says how the default was chosen). With an eval_fn, the
+        keyframe of a closed-loop chain must meet it as well as epsilon, and so must any candidate the eval_fn
+        reads better than the uncompressed state by more than epsilon (`search.Evaluator.trusted`). None (the
+        default): `epsilon`.
       metric_switch_margin: at a later save, the previous configuration switches its prune metric when the
         other metric's degradation is lower by more than this fraction of `epsilon`.
       quant: the configuration used when `search` is False.

@@ -1,7 +1,9 @@
 """The configuration search (ALGORITHM.md step 5, the paper's "Quantization Config Manager").
 
 At each save it picks the `QuantConfig` with the highest estimated compression ratio whose measured relative
-degradation is at most epsilon:
+degradation is at most epsilon (with an eval_fn, a candidate must also meet the data-free bound where the
+eval_fn's reading alone is not trusted: at the keyframe of a closed-loop chain, and wherever it reads better than
+the uncompressed state by more than epsilon; `Evaluator.trusted`):
 
 - The space is a cube: one axis per knob (bins, prune fraction, protect fraction, and embedding bins when the
   state has embedding tables), each ordered from most to least aggressive, so quality is assumed to rise along
@@ -414,8 +416,9 @@ class Evaluator:
 
     def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
                  cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, offsets: Sequence | None = None,
-                 residual: bool = False, factors: Sequence | None = None):
+                 residual: bool = False, factors: Sequence | None = None, keyframe_floor: bool = False):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
+        self.keyframe_floor = keyframe_floor  # every candidate must meet the data-free bound too (`trusted`)
         self.factors = factors  # a residual save's weighting (weighting.py), None: unweighted
         # The proxy's weights of a residual (scored without eval_fn): 1 / M (the squared error the weighted coding
         # spends evenly), else 1.
@@ -467,7 +470,7 @@ class Evaluator:
         sigma = None if self.references is None else quantize.RESIDUAL_SIGMA  # closed-loop residuals
         encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets,
                                              sigma=sigma, factors=self.factors) for q in quants]
-        scores = []
+        scores, proxies = [], []
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
             if self.eval_fn is None:
@@ -478,9 +481,40 @@ class Evaluator:
                 for i, v in zip(self.quant_idx, deq):
                     leaves[i] = v
                 scores.append(self._call(leaves))
+                if self.references is None:  # dispatched now, read by `trusted`
+                    proxies.append(proxy_degradation(self.xs, deq, self.gs))
         if self.eval_fn is None:
             return [(float(s), devs) for s, devs in zip(scores, encoded)]
-        return [(self.degradation(self._score(s)), devs) for s, devs in zip(scores, encoded)]
+        out = [self.degradation(self._score(s)) for s in scores]
+        if proxies:
+            out = [self.trusted(d, p) for d, p in zip(out, proxies)]
+        return list(zip(out, encoded))
+
+    def trusted(self, d: float, proxy) -> float:
+        """A candidate's degradation as the search takes it: the eval_fn's `d`, unless the data-free proxy
+        (`proxy_degradation`, the weights' sensitivity-weighted relative error) exceeds
+        `cfg.effective_proxy_budget` where it applies; then the proxy, in units of that budget times epsilon (so
+        over epsilon: infeasible). It applies
+
+        - to a keyframe of a closed-loop chain (`keyframe_floor`): the eval_fn may refuse what the bound allows,
+          never allow more. A restore from a keyframe costs about twice what one from a residual save costs
+          (benchmarks/results/fidelity_charlm_keyframes.md), keyframes are one save in `keyframe_every`, and an
+          eval_fn may not see a coarse candidate's damage: the batch-normalized network's held-out loss took a
+          4-level keyframe 50 steps in, and the resume from it cost 2.5% of the training loss; an accuracy moves
+          far less than the loss (docs/results.md);
+        - to any other save's candidate that reads better than the uncompressed state by more than epsilon:
+          quantization rarely improves a model that much, and such a reading is what a coarse candidate gets from
+          an eval_fn that a perturbation of the weights moves a lot (the same network's first keyframe took 4
+          levels on a reading 8.97% better; benchmarks/results/fidelity_details.md)."""
+        if not self.keyframe_floor and d >= -self.cfg.epsilon:
+            return d
+        budget = self.cfg.effective_proxy_budget
+        p = float(proxy)
+        if p <= budget:
+            return d
+        if budget == 0 or self.cfg.epsilon == 0:
+            return math.inf
+        return p / budget * self.cfg.epsilon * (1 + 1e-6)  # over epsilon as p is over the budget
 
 
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
@@ -500,7 +534,10 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     configuration is measured and taken unless it measured worse (`_guard`). A residual save is never lossless:
     when no configuration meets the budget, the least aggressive one is taken (mode "least aggressive"). Any
     other save whose search space has nothing within its budget tries a fine uniform quantizer before the
-    parameters are stored losslessly (`_fine_keyframe`).
+    parameters are stored losslessly (`_fine_keyframe`). With an eval_fn, a candidate's degradation is the
+    eval_fn's reading unless the data-free bound applies and it fails it (`Evaluator.trusted`: a closed-loop
+    keyframe, or a reading better than the uncompressed state by more than epsilon): the eval_fn can then refuse
+    what the bound allows, never allow more.
 
     An eval_fn value that is not a real number is a TypeError. A non-finite value for the uncompressed state
     gives mode UNMEASURED (nothing evaluated; the caller stores this save losslessly); one for a candidate makes
@@ -517,8 +554,9 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     for i, lt in zip(quant_idx, layer_types):
         sizes[lt] = sizes.get(lt, 0) + int(np.prod(leaves[i].shape))
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
+    keyframe = cfg.closed_loop and not residual and all(o is None for o in offsets or ())  # not against a base
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
-                          offsets=offsets, residual=residual, factors=factors)
+                          offsets=offsets, residual=residual, factors=factors, keyframe_floor=keyframe)
     budget = cfg.effective_residual_budget if residual else cfg.epsilon if eval_fn is not None \
         else cfg.effective_proxy_budget
     checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True,
@@ -546,7 +584,9 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         _check_eval_fn(checker, cfg.epsilon if eval_fn is not None else budget)
     record = {
         "mode": outcome.mode,
-        "quality": ("eval_fn, " + ("higher is better" if cfg.higher_is_better else "lower is better"))
+        "quality": ("eval_fn, " + ("higher is better" if cfg.higher_is_better else "lower is better")
+                    + (f", within the data-free bound {cfg.effective_proxy_budget:g} (a closed-loop keyframe)"
+                       if keyframe else ""))
         if eval_fn is not None and not residual else
         "data-free proxy: sensitivity-weighted relative reconstruction error" + (
             " of the residual" + (" (weighted by the second moments)" if factors is not None else "")

@@ -3,6 +3,7 @@ real model (digits CNN) with a real eval_fn."""
 
 import dataclasses
 import itertools
+import warnings
 import os
 import sys
 
@@ -377,6 +378,66 @@ def test_a_negative_eval_fn_is_measured_relative_to_its_magnitude(tmp_path, run)
     restored = mngr.restore(0, args=ij.InshrinkRestore(state))
     q0, q = float(eval_fn(state)), float(eval_fn(restored))
     assert (q - q0) / abs(q0) == pytest.approx(rec["degradation"], abs=1e-6)
+
+
+def _weights_and_error():
+    """A two-tensor state and its relative squared error function (what the data-free proxy is without
+    gradients)."""
+    rng = np.random.default_rng(1)
+    state = {"params": {"w": jnp.asarray(rng.standard_t(4, (256, 128)), jnp.float32),
+                        "v": jnp.asarray(rng.standard_normal((128, 96)), jnp.float32)}}
+    ref = jax.tree.map(np.asarray, state)
+    energy = sum(float(np.sum(b.astype(np.float64) ** 2)) for b in jax.tree.leaves(ref))
+    return state, lambda s: sum(jnp.sum((a - b) ** 2) for a, b in zip(jax.tree.leaves(s), jax.tree.leaves(ref))) / energy
+
+
+def _first_save(path, state, eval_fn, **cfg):
+    """(the restored state's relative error, the search record) of one save with `eval_fn`."""
+    mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(**cfg)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the 'measured much better' warning of _check_eval_fn
+        mngr.save(0, args=ij.InshrinkSave(state, eval_fn=eval_fn))
+    mngr.wait_until_finished()
+    return mngr.restore(0), mngr.item_metadata(0)["search"]
+
+
+def test_a_reading_far_better_than_the_uncompressed_state_must_also_meet_the_data_free_bound(tmp_path):
+    """The paper's saves (open loop) with an eval_fn that a perturbation of the weights improves (1 - 10x the
+    weights' relative squared error): every candidate reads better than the uncompressed state, the coarsest
+    most. A reading better by more than epsilon is taken only where the data-free proxy (the relative error, no
+    gradients given) is within `effective_proxy_budget` too, so the choice's error is within epsilon; a milder
+    eval_fn (1 - 0.2x the error) reads better by less than epsilon everywhere and keeps the most aggressive
+    choice."""
+    state, error = _weights_and_error()
+    chosen = {}
+    for gain in (10.0, 0.2):
+        restored, rec = _first_save(tmp_path / str(gain), state, lambda s, gain=gain: 1.0 - gain * error(s),
+                                    closed_loop=False)
+        e = float(error(restored))
+        assert rec["degradation"] == pytest.approx(-gain * e, rel=1e-4, abs=1e-7)  # the eval_fn's own reading
+        chosen[gain] = (e, rec["chosen"]["bins"])
+    epsilon = ij.CompressionConfig().epsilon
+    assert chosen[10.0][0] <= epsilon  # a 4-level candidate (about 0.1) read 'better' by 100% and was refused
+    assert chosen[0.2][0] > epsilon and chosen[0.2][1] < chosen[10.0][1]
+
+
+def test_a_closed_loop_keyframe_meets_the_data_free_bound_whatever_the_eval_fn_allows(tmp_path):
+    """An eval_fn that hardly sees the weights (1 + 1e-6 x their relative squared error) allows every candidate.
+    The paper's saves (open loop) then take the most aggressive; a closed-loop chain's keyframe is held to the
+    data-free bound as well (relative error within `effective_proxy_budget`, epsilon by default), and its
+    recorded degradation is still the eval_fn's reading."""
+    state, error = _weights_and_error()
+    eval_fn = lambda s: 1.0 + 1e-6 * float(error(s))  # noqa: E731  (a Python float: 1 + 1e-8 is exact enough)
+    open_, rec_open = _first_save(tmp_path / "open", state, eval_fn, closed_loop=False)
+    closed, rec = _first_save(tmp_path / "closed", state, eval_fn)
+    assert rec["coding"] == "keyframe" and rec["quality"] == ("eval_fn, lower is better, within the data-free "
+                                                              "bound 0.01 (a closed-loop keyframe)")
+    assert float(error(open_)) > 0.05  # the coarsest candidates
+    e = float(error(closed))
+    assert 0 < e <= ij.CompressionConfig().effective_proxy_budget
+    assert rec["degradation"] == pytest.approx(1e-6 * e, rel=1e-3)
+    loose, _ = _first_save(tmp_path / "loose", state, eval_fn, epsilon=0.05)  # the bound follows the knob
+    assert ij.CompressionConfig().effective_proxy_budget < float(error(loose)) <= 0.05
 
 
 def test_a_keyframe_that_no_configuration_of_the_space_holds_takes_a_fine_uniform_quantizer(tmp_path):
