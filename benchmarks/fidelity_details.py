@@ -51,7 +51,7 @@ def paired_line(row: dict, reference: dict) -> str:
 
 
 def row_lines(workload: str, name: str, row: dict, reference: dict) -> list[str]:
-    eps = bench_fidelity.method(name).cfg.epsilon
+    eps = bench_fidelity.method(name.split(" (")[0]).cfg.epsilon  # an earlier release's row: "NAME (release)"
     n = row["raw_params"] / 4
     saves = sorted((int(k), s) for k, s in row["saves"].items())
     better = [(k, s["search_degradation"]) for k, s in saves
