@@ -36,6 +36,7 @@ dequantize on device, then `eval_fn` or the data-free proxy).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -481,12 +482,14 @@ class Evaluator:
                 for i, v in zip(self.quant_idx, deq):
                     leaves[i] = v
                 scores.append(self._call(leaves))
-                if self.references is None:  # dispatched now, read by `trusted`
-                    proxies.append(proxy_degradation(self.xs, deq, self.gs))
+                # The data-free proxy `trusted` may need: dispatched now at a keyframe (it always needs it),
+                # otherwise computed only for a reading better than epsilon.
+                proxies.append(proxy_degradation(self.xs, deq, self.gs) if self.keyframe_floor else
+                               functools.partial(proxy_degradation, self.xs, deq, self.gs))
         if self.eval_fn is None:
             return [(float(s), devs) for s, devs in zip(scores, encoded)]
         out = [self.degradation(self._score(s)) for s in scores]
-        if proxies:
+        if self.references is None:  # not a closed-loop residual's check (`_guard`): one-sided, as measured
             out = [self.trusted(d, p) for d, p in zip(out, proxies)]
         return list(zip(out, encoded))
 
@@ -509,7 +512,7 @@ class Evaluator:
         if not self.keyframe_floor and d >= -self.cfg.epsilon:
             return d
         budget = self.cfg.effective_proxy_budget
-        p = float(proxy)
+        p = float(proxy() if callable(proxy) else proxy)
         if p <= budget:
             return d
         if budget == 0 or self.cfg.epsilon == 0:
