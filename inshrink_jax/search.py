@@ -482,22 +482,23 @@ class Evaluator:
                 for i, v in zip(self.quant_idx, deq):
                     leaves[i] = v
                 scores.append(self._call(leaves))
-                # The data-free proxy `trusted` may need: dispatched now at a keyframe (it always needs it),
-                # otherwise computed only for a reading better than epsilon.
-                proxies.append(proxy_degradation(self.xs, deq, self.gs) if self.keyframe_floor else
-                               functools.partial(proxy_degradation, self.xs, deq, self.gs))
+                if self.references is None:  # not a closed-loop residual's check (`_guard`): one-sided, as measured
+                    # The data-free proxy `trusted` may need: dispatched now at a keyframe (it always needs it),
+                    # otherwise computed only for a reading better than epsilon.
+                    proxies.append(proxy_degradation(self.xs, deq, self.gs) if self.keyframe_floor else
+                                   functools.partial(proxy_degradation, self.xs, deq, self.gs))
         if self.eval_fn is None:
             return [(float(s), devs) for s, devs in zip(scores, encoded)]
         out = [self.degradation(self._score(s)) for s in scores]
-        if self.references is None:  # not a closed-loop residual's check (`_guard`): one-sided, as measured
+        if proxies:
             out = [self.trusted(d, p) for d, p in zip(out, proxies)]
         return list(zip(out, encoded))
 
     def trusted(self, d: float, proxy) -> float:
         """A candidate's degradation as the search takes it: the eval_fn's `d`, unless the data-free proxy
         (`proxy_degradation`, the weights' sensitivity-weighted relative error) exceeds
-        `cfg.effective_proxy_budget` where it applies; then the proxy, in units of that budget times epsilon (so
-        over epsilon: infeasible). It applies
+        `cfg.effective_proxy_budget` where it applies; then inf (infeasible, as for a non-finite reading). It
+        applies
 
         - to a keyframe of a closed-loop chain (`keyframe_floor`): the eval_fn may refuse what the bound allows,
           never allow more. A restore from a keyframe costs about twice what one from a residual save costs
@@ -511,13 +512,8 @@ class Evaluator:
           levels on a reading 8.97% better; benchmarks/results/fidelity_details.md)."""
         if not self.keyframe_floor and d >= -self.cfg.epsilon:
             return d
-        budget = self.cfg.effective_proxy_budget
         p = float(proxy() if callable(proxy) else proxy)
-        if p <= budget:
-            return d
-        if budget == 0 or self.cfg.epsilon == 0:
-            return math.inf
-        return p / budget * self.cfg.epsilon * (1 + 1e-6)  # over epsilon as p is over the budget
+        return d if p <= self.cfg.effective_proxy_budget else math.inf
 
 
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
