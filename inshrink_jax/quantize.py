@@ -21,6 +21,7 @@ protected values with a scan of the uint8 codes it fetches anyway: a device-side
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import re
 from typing import NamedTuple, Sequence
@@ -722,9 +723,10 @@ def _chain_start(codes, table):
 @functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
 def _chain_group(a, codes, tables, used, exps, *, dtype):
     """`a` plus each of `CHAIN_GROUP` links' residuals where `used`, per link the formula of the save
-    (`plus_offset`, after `weighting.times_multiplier` where the link is weighted): `codes` (CHAIN_GROUP, n),
-    `tables` (CHAIN_GROUP, 256) and `exps` (None: no link of the group weighted; else (CHAIN_GROUP, n) int8, 0
-    for an unweighted link) hold one row per link, so a group's host arrays reach the device in one transfer."""
+    (`plus_offset`, after `weighting.times_multiplier` where the link is weighted): `codes` (a tuple of
+    `CHAIN_GROUP` arrays of n codes), `tables` (CHAIN_GROUP, 256) and `exps` (None: no link of the group weighted;
+    else a tuple of `CHAIN_GROUP` int8 arrays of n, 0 for an unweighted link) hold one entry per link. The codes
+    stay separate arrays: stacking a group's links on the host would copy every code once more."""
     for i in range(CHAIN_GROUP):
         r = tables[i][codes[i]]
         if exps is not None:
@@ -741,37 +743,84 @@ def _put_at(a, at, values):
     return a.at[at].set(values, mode="drop")
 
 
-def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedTensor], device=None,
-                 positions: Sequence[np.ndarray] | None = None,
+def decode_chain(links: Sequence, device=None,
                  weightings: Sequence[Sequence[np.ndarray] | None] | None = None) -> jax.Array:
-    """A closed-loop chain decoded: `first` (a keyframe's encoded tensor, or the exact values of a lossless first
-    link) plus each residual in turn, `decode(residual, offset=the reconstruction so far)` link by link, bit for
-    bit, in jitted kernels on `device` (default device if None).
+    """A closed-loop chain decoded: its first link (a keyframe's encoded tensor, or the exact values of a lossless
+    first link) plus each residual in turn, `decode(residual, offset=the reconstruction so far)` link by link, bit
+    for bit, in jitted kernels on `device` (default device if None).
+
+    `links`: per link, (an `EncodedTensor` (a residual; or the first link) or exact values (the first link only),
+    its protected weights' flat positions or None), or a `concurrent.futures.Future` of that pair: a link's
+    kernels are dispatched as soon as it and the links before it have arrived, so the caller's threads
+    decompress later links while the device adds earlier ones. `weightings`: per residual (links after the
+    first), None or its weighting factors over the tensor (one int vector per axis, weighting.py): its decoded
+    values are multiplied by 2^K before the sum.
 
     One pass over the tensor per `CHAIN_GROUP` links (a deep restore adds up to `keyframe_every - 1` residuals):
-    the kernels read each link's codes once, and the protected weights, whose stored values replace a link's level at a
-    few positions, are recomputed link by link on the host at those positions only and put in at the end. The
-    kernels work on flat arrays and compile once per tensor size and dtype (and power of two of the protected
-    positions), whatever the chain's length: the residuals are added `CHAIN_GROUP` at a time.
-    `positions`: per encoded link (`first` if it is one, then the residuals), its protected weights' flat
-    positions, if the caller has them. `weightings`: per residual, None or its weighting factors over the
-    tensor (one int vector per axis, weighting.py): its decoded values are multiplied by 2^K before the sum."""
+    the kernels read each link's codes once, and the protected weights, whose stored values replace a link's
+    level at a few positions, are recomputed link by link on the host at those positions only (once every link
+    has arrived) and put in at the end. The kernels work on flat arrays and compile once per tensor size and
+    dtype (and power of two of the protected positions), whatever the chain's length: the residuals are added
+    `CHAIN_GROUP` at a time."""
+    pending = list(links)
+    if not pending:
+        raise ValueError("a chain has at least one link")
+    got: list = []
+
+    def upto(k: int) -> list:
+        """The first `k` links, waited for."""
+        while len(got) < k:
+            link = pending[len(got)]
+            got.append(link.result() if isinstance(link, concurrent.futures.Future) else link)
+        return [e for e, _ in got[:k]]
+
+    first = upto(1)[0]
     dtype = np.dtype(jnp.dtype(first.dtype if isinstance(first, EncodedTensor) else first.dtype))
     shape = first.codes.shape if isinstance(first, EncodedTensor) else first.shape
+    n = int(np.prod(shape, dtype=np.int64))
     f32 = np.dtype(np.float32)
-    links = ([] if not isinstance(first, EncodedTensor) else [first]) + list(residuals)
-    positions = [_checked_positions(e, p) for e, p in zip(links, positions or [None] * len(links))]
-    for e in residuals:
-        if e.codes.shape != tuple(shape):
-            raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape {tuple(shape)}")
-    weightings = list(weightings or [None] * len(residuals))
-    if len(weightings) != len(residuals):
-        raise ValueError(f"{len(weightings)} weightings for {len(residuals)} residual links")
+    count = len(pending) - 1  # residuals
+    weightings = list(weightings or [None] * count)
+    if len(weightings) != count:
+        raise ValueError(f"{len(weightings)} weightings for {count} residual links")
     for fs in weightings:
         if fs is not None and tuple(np.size(f) for f in fs) != tuple(shape):
             raise ValueError(f"corrupt chain: weighting factors of lengths {[np.size(f) for f in fs]} on a tensor "
                              f"of shape {tuple(shape)}")
     exps = [None if fs is None else weighting.exponents_host(fs).astype(np.int8).reshape(-1) for fs in weightings]
+    # One device_put call per kernel call, for all of its host arrays: a small tensor's restore is otherwise
+    # dominated by the fixed cost of a put per array (two per link of a deep chain).
+    put = functools.partial(jax.device_put, device=device)
+    if not count and not isinstance(first, EncodedTensor):
+        return put(np.asarray(first))  # a lossless first link alone: its exact values
+    if isinstance(first, EncodedTensor):
+        out = _chain_start(*put([first.codes.reshape(-1), _table(first, dtype)]))
+    else:
+        out = put(np.array(first).reshape(-1))  # a copy: the kernels below update it in place
+    for g in range(0, count, CHAIN_GROUP):
+        group = upto(1 + min(g + CHAIN_GROUP, count))[1 + g:]
+        for e in group:
+            if not isinstance(e, EncodedTensor):
+                raise ValueError("corrupt chain: a link after the first holds exact values, not a residual")
+            if e.codes.shape != tuple(shape):
+                raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape "
+                                 f"{tuple(shape)}")
+        ks = exps[g:g + CHAIN_GROUP]
+        # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
+        host = [[e.codes.reshape(-1) for e in group],
+                np.stack([_table(e, f32) for e in group + group[-1:] * (CHAIN_GROUP - len(group))]),
+                np.arange(CHAIN_GROUP) < len(group)]
+        weighted = any(k is not None for k in ks)
+        if weighted:
+            zero = np.zeros(n, np.int8)
+            host.append([zero if k is None else k for k in ks] + [zero])
+        on_device = put(host)
+        pad = CHAIN_GROUP - len(group)
+        exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
+        out = _chain_group(out, tuple(on_device[0]) + (on_device[0][-1],) * pad, on_device[1], on_device[2],
+                           exps_dev, dtype=jnp.dtype(dtype))
+    encoded = [(e, p) for e, p in got if isinstance(e, EncodedTensor)]
+    positions = [_checked_positions(e, p) for e, p in encoded]
     # Every protected position once (`at`, ascending), and where each link's positions are in it (`where`): a
     # stable sort of the links' ascending positions merges them.
     cat = np.concatenate(positions) if positions else np.zeros(0, np.int32)
@@ -783,12 +832,13 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
     index[order] = np.cumsum(new) - 1
     where = np.split(index, np.cumsum([p.size for p in positions])[:-1]) if positions else []
     # The protected positions, link by link with the save's formulas (decode, plus_offset) in NumPy.
+    residuals = [e for e, _ in got[1:]]
     if isinstance(first, EncodedTensor):
         a = _table(first, dtype)[first.codes.reshape(-1)[at]]
         a[where[0]] = first.protected.astype(dtype)
     else:
         a = np.asarray(first).reshape(-1)[at]
-    for e, w, k in zip(residuals, where[len(links) - len(residuals):], exps):
+    for e, w, k in zip(residuals, where[len(encoded) - len(residuals):], exps):
         r = _table(e, f32)[e.codes.reshape(-1)[at]]
         r[w] = e.protected.astype(f32)
         if k is not None:  # times 2^K: exact, as on the device
@@ -796,31 +846,10 @@ def decode_chain(first: np.ndarray | EncodedTensor, residuals: Sequence[EncodedT
         off = a.astype(f32)
         a = (r + np.where(np.isfinite(off), off, f32.type(0))).astype(dtype)
     size = 1 << max(at.size - 1, 0).bit_length() if at.size else 0  # padded: few shapes to compile
-    n = int(np.prod(shape, dtype=np.int64))
     fix_at = np.full(size, n, np.int32)
     fix_at[:at.size] = at
     fix_values = np.zeros(size, dtype)
     fix_values[:at.size] = a
-    # One device_put call per kernel call, for all of its host arrays: a small tensor's restore is otherwise
-    # dominated by the fixed cost of a put per array (two per link of a deep chain).
-    put = functools.partial(jax.device_put, device=device)
-    if not residuals and not isinstance(first, EncodedTensor):
-        return put(np.asarray(first))  # a lossless first link alone: its exact values
-    if isinstance(first, EncodedTensor):
-        out = _chain_start(*put([first.codes.reshape(-1), _table(first, dtype)]))
-    else:
-        out = put(np.array(first).reshape(-1))  # a copy: the kernels below update it in place
-    for g in range(0, len(residuals), CHAIN_GROUP):
-        group = residuals[g:g + CHAIN_GROUP]
-        pad = CHAIN_GROUP - len(group)
-        ks = exps[g:g + CHAIN_GROUP]
-        host = [np.stack([e.codes.reshape(-1) for e in group + group[-1:] * pad]),
-                np.stack([_table(e, f32) for e in group + group[-1:] * pad]), np.arange(CHAIN_GROUP) < len(group)]
-        if any(k is not None for k in ks):
-            zero = np.zeros(n, np.int8)
-            host.append(np.stack([zero if k is None else k for k in ks + [zero] * pad]))
-        codes, tables, used, *k = put(host)
-        out = _chain_group(out, codes, tables, used, k[0] if k else None, dtype=jnp.dtype(dtype))
     if at.size:
         out = _put_at(out, *put([fix_at, fix_values]))
     return out.reshape(shape)

@@ -12,6 +12,7 @@ import concurrent.futures
 import functools
 import math
 import sys
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -388,6 +389,10 @@ def _encoded(box, shards: list, codes_of: Callable, protected_of: Callable, cent
         if ov is None:
             continue
         local, vals = protected_of(p, e)
+        if store.box_key(e.box) == store.box_key(box):  # the shard is the box: its positions are the box's
+            pos_parts.append(local)
+            val_parts.append(vals)
+            continue
         glob = [ix + b[0] for ix, b in zip(np.unravel_index(local, store.box_shape(e.box)), e.box)]
         inside = np.ones(local.size, bool)
         for g, (lo, hi) in zip(glob, zip(*ov)):
@@ -405,7 +410,13 @@ def _protected_reader(codes_of: Callable, array_of: Callable, bins: int, what: s
 
     def protected_of(p, e):
         seg = e.segments["protected"]
-        local = quantize.protected_positions(codes_of(p, e), bins)
+        codes = codes_of(p, e)
+        if seg.count == 0:  # none stored (a residual's usual case): no code may be the protected one
+            if codes.size and int(codes.max()) >= quantize.protected_code(bins):
+                raise store.CheckpointCorruptError(f"{what}: a protected code but no protected values")
+            local = np.zeros(0, np.int32)
+        else:
+            local = quantize.protected_positions(codes, bins)
         vals = array_of(p, seg, "protected", jnp.dtype(seg.dtype), [seg.count or 0])
         if local.size != vals.size:
             raise store.CheckpointCorruptError(f"{what}: {local.size} protected codes but {vals.size} values")
@@ -451,8 +462,8 @@ _THREADED_SIZE = 1 << 18
 def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
     """A parameter of a closed-loop chain: its first link (a keyframe's codes, or exact values) and each later
     link's residual, decoded in one pass per device (`quantize.decode_chain`: the formula the save computed its
-    reconstruction with, so the result is bit-identical to it). A large leaf's links are decompressed first, in
-    parallel threads (zstandard and NumPy release the GIL)."""
+    reconstruction with, so the result is bit-identical to it). A large leaf's links are decompressed in parallel
+    threads (zstandard and NumPy release the GIL), in chain order, while the device adds those that have arrived."""
     shape, dtype = tuple(meta.shape), np.dtype(jnp.dtype(meta.dtype))
     links = []
     for obj, shards in reader.links(meta.keystr):
@@ -471,30 +482,36 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
     sharding = None if numpy else target_sharding(target)
     boxes = [[[0, n] for n in shape]] if numpy else [
         store.box_of(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()]
-    reads = [(read if centres is None else read[1], p, e) for shards, centres, read in links for p, e in shards
-             if any(overlap(b, e.box) is not None for b in boxes)]
-    if len(reads) > 1 and int(np.prod(shape, dtype=np.int64)) >= _THREADED_SIZE:
-        with concurrent.futures.ThreadPoolExecutor(max(1, reader.decode_threads)) as pool:
-            list(pool.map(lambda r: r[0](r[1], r[2]), reads))
+    threaded = len(links) > 1 and int(np.prod(shape, dtype=np.int64)) >= _THREADED_SIZE and reader.decode_threads > 1
 
-    def build(box, dev):
-        parts, positions, weightings = [], [], []
+    def build(box, dev, pool):
+        parts, weightings = [], []
         for k, (shards, centres, read) in enumerate(links):
-            if centres is None:
-                parts.append(_fill(box, dtype, [(e.box, (lambda p=p, e=e: read(p, e))) for p, e in shards], what))
+            if centres is None:  # exact values: the first link only
+                def job(shards=shards, read=read):
+                    return _fill(box, dtype, [(e.box, functools.partial(read, p, e)) for p, e in shards], what), None
             else:
-                enc, pos = _encoded(box, shards, *read, centres, meta.dtype, what)
-                parts.append(enc)
-                positions.append(pos)
+                job = functools.partial(_encoded, box, shards, *read, centres, meta.dtype, what)
+            parts.append(job() if pool is None else pool.submit(job))
             w = _link_weighting(box, shards, what)
             if k == 0 and w is not None:
                 raise store.CheckpointCorruptError(f"{what}: the first link of its chain carries residual weighting")
             weightings.append(w)
-        return quantize.decode_chain(parts[0], parts[1:], dev, positions, weightings[1:])
+        return quantize.decode_chain(parts, dev, weightings[1:])
+
+    def build_all(box, dev):
+        if not threaded:
+            return build(box, dev, None)
+        # The links are decompressed in the pool, in chain order, while the device adds those that have arrived.
+        with concurrent.futures.ThreadPoolExecutor(reader.decode_threads) as pool:
+            try:
+                return build(box, dev, pool)
+            finally:
+                pool.shutdown(cancel_futures=True)
 
     if numpy:
-        return np.asarray(build(boxes[0], None))
-    return _make_array(shape, sharding, build, what)
+        return np.asarray(build_all(boxes[0], None))
+    return _make_array(shape, sharding, build_all, what)
 
 
 def _link_weighting(box, shards: list, what: str) -> list[np.ndarray] | None:
@@ -527,13 +544,23 @@ def _link_weighting(box, shards: list, what: str) -> list[np.ndarray] | None:
 
 
 def _once(read: Callable) -> Callable:
-    """`read(p, e)` of a stored shard, computed once per shard."""
-    cache: dict[int, Any] = {}
+    """`read(p, e)` of a stored shard, computed once per shard, also when threads ask for it at once (the first
+    computes it, the others wait for its result or its error)."""
+    cache: dict[int, concurrent.futures.Future] = {}
+    lock = threading.Lock()
 
     def once(p, e):
-        if id(e) not in cache:
-            cache[id(e)] = read(p, e)
-        return cache[id(e)]
+        with lock:
+            done = cache.get(id(e))
+            mine = done is None
+            if mine:
+                done = cache[id(e)] = concurrent.futures.Future()
+        if mine:
+            try:
+                done.set_result(read(p, e))
+            except BaseException as err:
+                done.set_exception(err)
+        return done.result()
     return once
 
 

@@ -598,11 +598,11 @@ class _Object:
         dtype = np.dtype(dtype)
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         try:
-            raw = codec.decompress(self.segment(leaf, p, seg, name), seg.codec, size, dtype.itemsize)
+            raw = codec.decompress_array(self.segment(leaf, p, seg, name), seg.codec, size, dtype.itemsize)
         except codec.CodecError as e:
             raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} of object "
                                          f"{self.id}: {e}") from None
-        return np.frombuffer(raw, dtype).reshape(shape)
+        return raw.view(dtype).reshape(shape)
 
 
 def box_key(box) -> tuple:

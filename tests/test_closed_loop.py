@@ -532,3 +532,50 @@ def test_the_search_proxy_sums_over_device_sets():
     apart = [[jax.device_put(a, s) for a, s in zip(group, sets)] for group in (xs, ds, refs)]
     split = float(ij.search.proxy_degradation(apart[0], apart[1], [None, None], apart[2]))
     assert split == pytest.approx(whole, rel=1e-6) and 0 < whole
+
+
+def test_a_shard_read_asked_for_by_two_threads_at_once_is_read_once_and_its_error_reaches_both():
+    # The links of a large leaf are read in a pool while the chain is decoded: a shard's read is shared.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls, gate = [], threading.Event()
+
+    def read(p, e):
+        calls.append(p)
+        gate.wait(10)
+        if p < 0:
+            raise store.CheckpointCorruptError("bad shard")
+        return 2 * p
+
+    once = restore._once(read)  # noqa: SLF001
+    good, bad = object(), object()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(once, 3, good), pool.submit(once, 3, good),
+                   pool.submit(once, -1, bad), pool.submit(once, -1, bad)]
+        while len(calls) < 2:  # both reads started; the other two callers wait on them
+            gate.wait(0.01)
+        gate.set()
+        assert [f.result() for f in futures[:2]] == [6, 6]
+        for f in futures[2:]:
+            with pytest.raises(store.CheckpointCorruptError, match="bad shard"):
+                f.result()
+    assert sorted(calls) == [-1, 3]
+
+
+def test_a_link_with_no_protected_values_but_a_protected_code_is_a_named_error():
+    import types
+
+    bins = 4
+    codes = np.array([1, 2, bins + 1, 3], np.uint8)
+    seg = records.Segment(file=store.CODES_FILE, offset=0, length=0, crc32=0, codec=codec.RAW, dtype="float32",
+                          count=0)
+    shard = types.SimpleNamespace(segments={"protected": seg})
+    protected_of = restore._protected_reader(lambda p, e: codes, lambda *a: np.zeros(0, np.float32), bins,  # noqa: SLF001
+                                             "leaf ['w']")
+    with pytest.raises(store.CheckpointCorruptError, match=r"leaf \['w'\]: a protected code but no protected values"):
+        protected_of(0, shard)
+    clean = restore._protected_reader(lambda p, e: codes.clip(0, bins), lambda *a: np.zeros(0, np.float32), bins,  # noqa: SLF001
+                                      "leaf ['w']")
+    local, values = clean(0, shard)
+    assert local.size == 0 and values.size == 0
