@@ -274,11 +274,16 @@ class CodecError(ValueError):
 def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
     """Inverse of `compress`: exactly `size` bytes, or CodecError (nothing larger is ever allocated, whatever
     the stream's own header claims); `itemsize` is the element size the planes were split by (zstd-planes)."""
+    return _decode(blob, codec, size, itemsize).tobytes()
+
+
+def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
+    """`decompress` as a flat uint8 array (possibly read-only, possibly a view of the decoder's own buffer)."""
     if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE):
         raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
                          f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}")
     if codec == RAW:
-        out = bytes(blob)
+        out = np.frombuffer(blob, np.uint8)
     elif codec in (ZSTD_RLE, ZSTD_RUNS):
         out = _decompress_rle(blob, size, codec == ZSTD_RUNS)
     elif codec == ZSTD_PACKED:
@@ -290,13 +295,13 @@ def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
     elif codec == ZSTD_ESCAPE:
         out = _decompress_escape(blob, size)
     else:
-        out = _zstd(blob, size)
-    if len(out) != size:
-        raise CodecError(f"stream decodes to {len(out)} bytes, expected {size}")
+        out = np.frombuffer(_zstd(blob, size), np.uint8)
+    if out.size != size:
+        raise CodecError(f"stream decodes to {out.size} bytes, expected {size}")
     if codec == ZSTD_PLANES and size:
         if size % itemsize:
             raise CodecError(f"{size} bytes are not whole elements of {itemsize} bytes")
-        out = np.frombuffer(out, np.uint8).reshape(itemsize, -1).T.tobytes()
+        out = np.ascontiguousarray(out.reshape(itemsize, -1).T).reshape(-1)
     return out
 
 
@@ -312,7 +317,7 @@ def decompress_array(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarr
     if declared != size:  # another codec, or a frame without its size: decoded within `size`, then placed
         if declared is not None and declared != zstandard.CONTENTSIZE_UNKNOWN:
             raise CodecError(f"zstandard frame declares {declared} bytes, expected {size}")
-        out = np.frombuffer(decompress(blob, codec, size, itemsize), np.uint8)
+        out = _decode(blob, codec, size, itemsize)
         if out.ctypes.data % _ALIGN:
             out = aligned_copy(out)
         out.flags.writeable = False
@@ -374,7 +379,7 @@ def _zstd(blob: bytes, limit: int) -> bytes:
     return out
 
 
-def _decompress_packed(blob: bytes, size: int) -> bytes:
+def _decompress_packed(blob: bytes, size: int) -> np.ndarray:
     if len(blob) < 9 or blob[0] not in _PACK_WIDTHS:
         raise CodecError("zstd-packed stream has no valid width byte and count")
     width, count = blob[0], int(np.frombuffer(blob[1:9], "<u8")[0])
@@ -387,11 +392,11 @@ def _decompress_packed(blob: bytes, size: int) -> bytes:
         raise CodecError(f"zstd-packed stream holds {packed.size} bytes, expected {nbytes} for {size} values")
     shifts = (np.arange(per, dtype=np.uint8) * width)[None, :]
     values = (packed[:, None] >> shifts) & np.uint8((1 << width) - 1)
-    return values.reshape(-1)[:size].tobytes()
+    return values.reshape(-1)[:size]
 
 
-def _decompress_radix(blob: bytes, size: int) -> bytes:
-    return _digits(*_radix_packed(blob, size), size).tobytes()
+def _decompress_radix(blob: bytes, size: int) -> np.ndarray:
+    return _digits(*_radix_packed(blob, size), size)
 
 
 def _digits(packed: np.ndarray, base: int, size: int) -> np.ndarray:
@@ -428,32 +433,25 @@ def _radix_packed(blob: bytes, size: int) -> tuple[np.ndarray, int]:
 
 def _unpack(packed: np.ndarray, base: int, size: int, alphabet: bytes) -> np.ndarray:
     """`_digits` of checked packed bytes, each replaced by alphabet[digit]: one table lookup per packed byte that
-    yields all its values at once (a 2-, 4- or 8-byte integer), instead of a division per digit and a lookup per
-    value (NumPy's lookup of one value per byte costs more than the whole table lookup)."""
-    table, width = _digit_table(base, alphabet)
-    wide = np.take(table, packed).view(np.uint8)  # the table's little-endian bytes: the digits in order
-    per = _radix_digits(base)
-    if width != per:
-        wide = wide.reshape(-1, width)[:, :per]
-    return wide.reshape(-1)[:size]
+    yields all its values at once (an item of `_radix_digits(base)` bytes), instead of a division per digit and a
+    lookup per value. (Indexing, not np.take: NumPy's take widens a uint8 index first, at twice the cost.)"""
+    return _digit_table(base, alphabet)[packed].view(np.uint8)[:size]
 
 
 @functools.lru_cache(maxsize=256)
-def _digit_table(base: int, alphabet: bytes) -> tuple[np.ndarray, int]:
-    """(table, width): for each byte b < base ** per (per = `_radix_digits(base)`), its per digits in base `base`,
-    least significant first, each replaced by alphabet[digit], as the bytes of one little-endian integer of
-    `width` bytes (2, 4 or 8, the fewest that hold per); the bytes past base ** per (refused before any lookup)
-    map to 0."""
+def _digit_table(base: int, alphabet: bytes) -> np.ndarray:
+    """For each byte b < base ** per (per = `_radix_digits(base)`), its per digits in base `base`, least
+    significant first, each replaced by alphabet[digit], as one item of per bytes (a NumPy void scalar); the
+    bytes past base ** per (refused before any lookup) map to zeros."""
     per = _radix_digits(base)
-    width = next(w for w in (2, 4, 8) if w >= per)
     values = np.frombuffer(alphabet, np.uint8)
-    rows = np.zeros((256, width), np.uint8)
+    rows = np.zeros((256, per), np.uint8)
     b = np.arange(base ** per)
     for j in range(per):
         rows[:b.size, j] = values[(b // base ** j) % base]
-    table = rows.reshape(-1).view(f"<u{width}")
+    table = rows.view(f"V{per}").reshape(256)
     table.flags.writeable = False
-    return table, width
+    return table
 
 
 def _alphabet(blob: bytes, most: int, after: int, name: str) -> np.ndarray:
@@ -468,19 +466,19 @@ def _alphabet(blob: bytes, most: int, after: int, name: str) -> np.ndarray:
     return alphabet
 
 
-def _decompress_rank(blob: bytes, size: int) -> bytes:
+def _decompress_rank(blob: bytes, size: int) -> np.ndarray:
     alphabet = _alphabet(blob, _RADIX_MAX, 0, ZSTD_RANK)
     k = alphabet.size
     packed, base = _radix_packed(blob[1 + k:], size)
     if base == k:  # every digit is below k: a rank (what the encoder writes for k >= 2)
-        return _unpack(packed, base, size, alphabet.tobytes()).tobytes()
+        return _unpack(packed, base, size, alphabet.tobytes())
     ranks = _digits(packed, base, size)
     if ranks.size and int(ranks.max()) >= k:
         raise CodecError(f"zstd-rank stream holds rank {int(ranks.max())} of an alphabet of {k}")
-    return alphabet[ranks].tobytes()
+    return alphabet[ranks]
 
 
-def _decompress_escape(blob: bytes, size: int) -> bytes:
+def _decompress_escape(blob: bytes, size: int) -> np.ndarray:
     kept = _alphabet(blob, _ESCAPE_KEEP, 8, ZSTD_ESCAPE)
     k = kept.size
     n = int(np.frombuffer(blob[1 + k:9 + k], "<u8")[0])
@@ -489,21 +487,22 @@ def _decompress_escape(blob: bytes, size: int) -> bytes:
     packed, base = _radix_packed(blob[9 + k:9 + k + n], size)
     if base != k + 1:
         raise CodecError(f"zstd-escape ranks are in base {base}, not {k + 1}")
-    ranks = _digits(packed, base, size)
-    escaped = ranks == k
-    count = int(np.count_nonzero(escaped))
-    rest = np.frombuffer(_zstd(blob[9 + k + n:], count), np.uint8)
-    if rest.size != count:
-        raise CodecError(f"zstd-escape holds {rest.size} other values for {count} escapes")
-    out = np.append(kept, np.uint8(0))[ranks]
+    # The ranks mapped to the kept values in one lookup, the escape rank to a byte that is not one of them: the
+    # escaped places are where that byte is, and take the other values in order.
+    marker = np.uint8(np.setdiff1d(np.arange(256), kept)[0])
+    out = _unpack(packed, base, size, kept.tobytes() + bytes([marker]))
+    escaped = np.flatnonzero(out == marker)
+    rest = np.frombuffer(_zstd(blob[9 + k + n:], escaped.size), np.uint8)
+    if rest.size != escaped.size:
+        raise CodecError(f"zstd-escape holds {rest.size} other values for {escaped.size} escapes")
     out[escaped] = rest
-    return out.tobytes()
+    return out
 
 
 _RLE_CHUNK = 1 << 18  # run bytes summed at a time (each chunk holds a few int64 temporaries of its size)
 
 
-def _decompress_rle(blob: bytes, size: int, coded_values: bool) -> bytes:
+def _decompress_rle(blob: bytes, size: int, coded_values: bool) -> np.ndarray:
     """"zstd-rle", or "zstd-runs" (`coded_values`: a byte naming the values' codec after the header)."""
     name, head = (ZSTD_RUNS, 17) if coded_values else (ZSTD_RLE, 16)
     if len(blob) < head:
@@ -516,8 +515,8 @@ def _decompress_rle(blob: bytes, size: int, coded_values: bool) -> bytes:
     runs = np.frombuffer(_zstd(blob[head:head + k], n + n // 255 + 1), np.uint8)
     count = int(np.count_nonzero(runs != 255))  # each byte below 255 ends one run
     rest = blob[head + k:]
-    values = np.frombuffer(decompress(rest, _RUN_VALUE_CODECS[blob[16]], count) if coded_values
-                           else _zstd(rest, count), np.uint8)
+    values = _decode(rest, _RUN_VALUE_CODECS[blob[16]], count) if coded_values else np.frombuffer(
+        _zstd(rest, count), np.uint8)
     if values.size != count:
         raise CodecError(f"zstd-rle stream holds {values.size} values for {count} runs")
     # A run's end is at (the sum over the bytes up to and including its last one of byte + [byte < 255]) - 1:
@@ -535,7 +534,7 @@ def _decompress_rle(blob: bytes, size: int, coded_values: bool) -> bytes:
             raise CodecError("zstd-rle runs point past the end of the stream")
         out[positions] = values[placed:placed + positions.size]
         placed += positions.size
-    return out.tobytes()
+    return out
 
 
 def order0_entropy_bytes(symbols: np.ndarray) -> float:
