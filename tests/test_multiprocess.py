@@ -33,7 +33,7 @@ def test_two_processes_each_write_their_own_blob_and_restore_into_another_layout
 def test_a_process_killed_mid_save_loses_no_listed_step(tmp_path):
     """Two processes save a sharded state; at step 2 one is killed in its commit thread (the other then waits for
     it until the job is killed too, as a scheduler would). The root then lists steps 0 and 1, which restore
-    exactly in a single new process, verify passes, and the new process saves and collects the dead step's
+    in a single new process (within their quantization), verify passes, and the new process saves and collects the dead step's
     partial object."""
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_kill_worker.py")
     port = str(free_port())
@@ -59,7 +59,9 @@ assert mngr.all_steps() == [0, 1], mngr.all_steps()
 for step in (0, 1):
     r = mngr.restore(step)
     want = w.host_state(step)
-    np.testing.assert_array_equal(r["x"], want["x"])
+    # x, a small float leaf, is exact at the keyframe (step 0) and a closed-loop residual after it: its change
+    # (1.0 everywhere) comes back as its level, a sketch bucket's representative (within alpha = 1%)
+    np.testing.assert_allclose(r["x"], want["x"], rtol=0.0 if step == 0 else 0.011, atol=0.0)
     assert np.max(np.abs(r["params"]["w"] - want["params"]["w"])) < 0.5
 assert cli.main(["verify", root]) == 0
 mngr.save(3, args=ij.InshrinkSave({{"x": np.arange(3.0)}}))
