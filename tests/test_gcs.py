@@ -29,6 +29,7 @@ def emulator():
         proc.wait()
 
 
+@pytest.mark.slow  # about a minute (processes, an emulator); .ci/run runs the slow tests too
 def test_a_gs_root_saves_chains_restores_and_is_inspected_verified_collected_and_copied(emulator, tmp_path):
     env = dict(os.environ, STORAGE_EMULATOR_HOST=emulator, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
                GOOGLE_CLOUD_PROJECT="test", JAX_PLATFORMS="cpu")

@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from inshrink_jax import cli
 
@@ -20,6 +21,7 @@ import sigkill_worker as worker  # noqa: E402
 KILLS = 6
 
 
+@pytest.mark.slow  # about a minute (processes, an emulator); .ci/run runs the slow tests too
 def test_sigkill_during_saves_loses_no_listed_step(tmp_path, capsys):
     root = str(tmp_path / "ckpt")
     rng = random.Random(0)
