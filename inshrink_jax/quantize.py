@@ -743,6 +743,34 @@ def _put_at(a, at, values):
     return a.at[at].set(values, mode="drop")
 
 
+# A chain of a tensor below this many elements is decoded padded to the next power of two (at least
+# `_CHAIN_MIN`): the kernels compile once per size, and a small model's tensors come in many sizes, so its first
+# restore in a process compiled a kernel for each (0.1 s apiece on CPU); the padding costs little at that size.
+_CHAIN_PADDED_BELOW = 1 << 20
+_CHAIN_MIN = 1 << 10
+
+
+def chain_size(n: int) -> int:
+    """The length `decode_chain`'s kernels work on for a tensor of `n` elements."""
+    return n if n >= _CHAIN_PADDED_BELOW else max(_CHAIN_MIN, 1 << max(n - 1, 0).bit_length())
+
+
+def _flat(a: np.ndarray, size: int, copy: bool = False) -> np.ndarray:
+    """`a` flattened and zero-padded to `size` elements (itself, flattened, when it has that many already)."""
+    flat = a.reshape(-1)
+    if flat.size == size:
+        return np.array(flat) if copy else flat
+    out = np.zeros(size, flat.dtype)
+    out[:flat.size] = flat
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def _shaped(a: jax.Array, *, shape: tuple) -> jax.Array:
+    """The first prod(shape) elements of a padded chain's flat result, in `shape`."""
+    return a[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
+
+
 def decode_chain(links: Sequence, device=None,
                  weightings: Sequence[Sequence[np.ndarray] | None] | None = None) -> jax.Array:
     """A closed-loop chain decoded: its first link (a keyframe's encoded tensor, or the exact values of a lossless
@@ -778,6 +806,7 @@ def decode_chain(links: Sequence, device=None,
     dtype = np.dtype(jnp.dtype(first.dtype if isinstance(first, EncodedTensor) else first.dtype))
     shape = first.codes.shape if isinstance(first, EncodedTensor) else first.shape
     n = int(np.prod(shape, dtype=np.int64))
+    size_n = chain_size(n)  # what the kernels work on: n, or a small tensor padded (fewer sizes to compile)
     f32 = np.dtype(np.float32)
     count = len(pending) - 1  # residuals
     weightings = list(weightings or [None] * count)
@@ -794,9 +823,9 @@ def decode_chain(links: Sequence, device=None,
     if not count and not isinstance(first, EncodedTensor):
         return put(np.asarray(first))  # a lossless first link alone: its exact values
     if isinstance(first, EncodedTensor):
-        out = _chain_start(*put([first.codes.reshape(-1), _table(first, dtype)]))
+        out = _chain_start(*put([_flat(first.codes, size_n), _table(first, dtype)]))
     else:
-        out = put(np.array(first).reshape(-1))  # a copy: the kernels below update it in place
+        out = put(_flat(np.asarray(first), size_n, copy=True))  # a copy: the kernels below update it in place
     for g in range(0, count, CHAIN_GROUP):
         group = upto(1 + min(g + CHAIN_GROUP, count))[1 + g:]
         for e in group:
@@ -807,13 +836,13 @@ def decode_chain(links: Sequence, device=None,
                                  f"{tuple(shape)}")
         ks = exps[g:g + CHAIN_GROUP]
         # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
-        host = [[e.codes.reshape(-1) for e in group],
+        host = [[_flat(e.codes, size_n) for e in group],
                 np.stack([_table(e, f32) for e in group + group[-1:] * (CHAIN_GROUP - len(group))]),
                 np.arange(CHAIN_GROUP) < len(group)]
         weighted = any(k is not None for k in ks)
         if weighted:
-            zero = np.zeros(n, np.int8)
-            host.append([zero if k is None else k for k in ks] + [zero])
+            zero = np.zeros(size_n, np.int8)
+            host.append([zero if k is None else _flat(k, size_n) for k in ks] + [zero])
         on_device = put(host)
         pad = CHAIN_GROUP - len(group)
         exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
@@ -846,10 +875,10 @@ def decode_chain(links: Sequence, device=None,
         off = a.astype(f32)
         a = (r + np.where(np.isfinite(off), off, f32.type(0))).astype(dtype)
     size = 1 << max(at.size - 1, 0).bit_length() if at.size else 0  # padded: few shapes to compile
-    fix_at = np.full(size, n, np.int32)
+    fix_at = np.full(size, size_n, np.int32)
     fix_at[:at.size] = at
     fix_values = np.zeros(size, dtype)
     fix_values[:at.size] = a
     if at.size:
         out = _put_at(out, *put([fix_at, fix_values]))
-    return out.reshape(shape)
+    return out.reshape(shape) if size_n == n else _shaped(out, shape=tuple(shape))

@@ -241,3 +241,35 @@ def test_without_protection_the_kernel_skips_the_protect_pass_and_encodes_the_sa
         np.testing.assert_array_equal(a.centres, b.centres)
         assert a.protected.tobytes() == b.protected.tobytes()  # bit for bit (NaN included)
     assert without[0].protected.size == 1 and np.isnan(without[0].protected[0])
+
+
+@pytest.mark.parametrize("shape", [(37, 29), (32, 32), (5,)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype, monkeypatch):
+    """A small tensor's chain is decoded padded to a power of two (fewer kernel sizes to compile): the result is
+    the link-by-link sum of levels and protected values in the save's formula (plus_offset), padded or not."""
+    rng = np.random.default_rng(0)
+    n, bins = int(np.prod(shape)), 6
+
+    def link(first):
+        codes = rng.integers(0, bins + 1, shape).astype(np.uint8)
+        codes.reshape(-1)[rng.choice(n, 2, replace=False)] = bins + 1  # two protected weights
+        centres = np.sort(rng.normal(size=bins)).astype(np.float32)
+        protected = rng.normal(size=2).astype(np.float32).astype(jnp.bfloat16)
+        return quantize.EncodedTensor(codes, centres, protected, dtype)
+
+    links = [link(True)] + [link(False) for _ in range(6)]  # a keyframe and two groups of residuals
+    expect = None
+    for k, e in enumerate(links):
+        work = np.dtype(jnp.dtype(dtype)) if k == 0 else np.float32
+        values = np.concatenate([[0.0], e.centres, [0.0]]).astype(work)[e.codes.reshape(-1)]
+        values[np.flatnonzero(e.codes.reshape(-1) == bins + 1)] = e.protected.astype(work)
+        expect = values if k == 0 else np.asarray(quantize.plus_offset(jnp.asarray(values), jnp.asarray(expect),
+                                                                       jnp.dtype(dtype)))
+    padded = quantize.decode_chain([(e, None) for e in links])
+    monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 0)
+    assert quantize.chain_size(n) == n
+    plain = quantize.decode_chain([(e, None) for e in links])
+    for out in (padded, plain):
+        assert out.shape == shape and out.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expect.reshape(shape).view(np.uint8))
