@@ -306,10 +306,14 @@ def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
 
 
 def decompress_array(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
-    """`decompress` as a read-only uint8 array of `size` bytes, 64-byte aligned: JAX's CPU client then takes it
-    as a device buffer without a copy (a restore hands every decoded code stream to a kernel), and a plain zstd
-    stream is decompressed straight into it (no intermediate bytes object, whose pages the kernel would fault in
-    once more)."""
+    """`decompress` as a read-only uint8 array of `size` bytes, 64-byte aligned from `_ALIGNED_FROM` bytes: JAX's
+    CPU client then takes it as a device buffer without a copy (a restore hands every decoded code stream to a
+    kernel), and a plain zstd stream is decompressed straight into it (no intermediate bytes object, whose pages
+    the kernel would fault in once more)."""
+    if size < _ALIGNED_FROM:  # a copy to place it costs less than the one it saves
+        out = _decode(blob, codec, size, itemsize)
+        out.flags.writeable = False
+        return out
     try:
         declared = zstandard.get_frame_parameters(blob).content_size if codec == ZSTD else None
     except zstandard.ZstdError as e:
@@ -341,6 +345,7 @@ def decompress_array(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarr
 
 
 _ALIGN = 64  # bytes: the alignment XLA's CPU client needs to use a host buffer in place
+_ALIGNED_FROM = 1 << 16  # bytes: a smaller stream is decoded as it comes (placing it would cost more than a copy)
 
 
 def aligned_empty(size: int) -> np.ndarray:
@@ -489,7 +494,7 @@ def _decompress_escape(blob: bytes, size: int) -> np.ndarray:
         raise CodecError(f"zstd-escape ranks are in base {base}, not {k + 1}")
     # The ranks mapped to the kept values in one lookup, the escape rank to a byte that is not one of them: the
     # escaped places are where that byte is, and take the other values in order.
-    marker = np.uint8(np.setdiff1d(np.arange(256), kept)[0])
+    marker = next(v for v in range(256) if v not in set(kept.tolist()))
     out = _unpack(packed, base, size, kept.tobytes() + bytes([marker]))
     escaped = np.flatnonzero(out == marker)
     rest = np.frombuffer(_zstd(blob[9 + k + n:], escaped.size), np.uint8)

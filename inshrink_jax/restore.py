@@ -544,23 +544,18 @@ def _link_weighting(box, shards: list, what: str) -> list[np.ndarray] | None:
 
 
 def _once(read: Callable) -> Callable:
-    """`read(p, e)` of a stored shard, computed once per shard, also when threads ask for it at once (the first
-    computes it, the others wait for its result or its error)."""
-    cache: dict[int, concurrent.futures.Future] = {}
+    """`read(p, e)` of a stored shard, computed once per shard, also when threads ask for it at once (one reads,
+    the others wait for it; a read that fails is not kept, so each caller gets its error)."""
+    cache: dict[int, Any] = {}
     lock = threading.Lock()
 
     def once(p, e):
-        with lock:
-            done = cache.get(id(e))
-            mine = done is None
-            if mine:
-                done = cache[id(e)] = concurrent.futures.Future()
-        if mine:
-            try:
-                done.set_result(read(p, e))
-            except BaseException as err:
-                done.set_exception(err)
-        return done.result()
+        if id(e) in cache:
+            return cache[id(e)]
+        with lock:  # per reader of one link's streams: threads read different links
+            if id(e) not in cache:
+                cache[id(e)] = read(p, e)
+            return cache[id(e)]
     return once
 
 
