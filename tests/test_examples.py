@@ -11,8 +11,8 @@ import pytest
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 
 
-@pytest.mark.parametrize("script", ["linen_train.py", "nnx_train.py",
-                                    pytest.param("v1_train.py", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two processes each, 25-30 s a script; .ci/run runs the slow tests
+@pytest.mark.parametrize("script", ["linen_train.py", "nnx_train.py", "v1_train.py"])
 def test_example_crashes_and_resumes(script, tmp_path):
     cmd = [sys.executable, os.path.join(EXAMPLES, script), "--dir", str(tmp_path / "ckpt"), "--steps", "120",
            "--every", "40"]
