@@ -494,7 +494,8 @@ def _decompress_escape(blob: bytes, size: int) -> np.ndarray:
         raise CodecError(f"zstd-escape ranks are in base {base}, not {k + 1}")
     # The ranks mapped to the kept values in one lookup, the escape rank to a byte that is not one of them: the
     # escaped places are where that byte is, and take the other values in order.
-    marker = next(v for v in range(256) if v not in set(kept.tolist()))
+    taken = set(kept.tolist())
+    marker = next(v for v in range(256) if v not in taken)
     out = _unpack(packed, base, size, kept.tobytes() + bytes([marker]))
     escaped = np.flatnonzero(out == marker)
     rest = np.frombuffer(_zstd(blob[9 + k + n:], escaped.size), np.uint8)
