@@ -1,11 +1,12 @@
 """Where the bytes of one save go, and what a restore of it costs in a new process.
 
-Usage: python benchmarks/save_breakdown.py [--saves 4] [--config "moment_budget=0.1;..."] [--out FILE]
-(needs the `bench` extra: pip install -e '.[bench]')
+Usage: python benchmarks/save_breakdown.py [--workload charlm] [--saves 4] [--config "moment_budget=0.1;..."]
+[--out FILE] (needs the `bench` extra: pip install -e '.[bench]')
 
-Trains the character transformer of bench_fault_tolerance.py (440k parameters, AdamW) with the default
-CompressionConfig (or --config overrides, as bench_fidelity.py's inshrink[...]), a GradientEMA and the held-out
-loss as eval_fn, saving every 30 steps --saves times. Then splits the last save's bytes by leaf group (parameters,
+Trains one of bench_fidelity.py's workloads (default: the character transformer, 440k parameters, AdamW) with the
+default CompressionConfig (or --config overrides, as bench_fidelity.py's inshrink[...]), a GradientEMA and the
+eval_fn of bench_fidelity.py (held-out loss, or accuracy for the image workloads), saving at the workload's
+checkpoint interval --saves times. Then splits the last save's bytes by leaf group (parameters,
 Adam's mu and nu; quantized or stored exactly) and by file (code and data blobs, manifest, offset table), and
 restores that step without a target in a fresh Python process: wall time and the number of decode kernels it
 compiled; then, in that process, the same restore again (warm) alternated with Orbax's StandardCheckpointer
@@ -31,7 +32,6 @@ sys.path.insert(0, HERE)
 import bench_delta  # noqa: E402
 import bench_fault_tolerance as ft  # noqa: E402
 import bench_fidelity  # noqa: E402
-import digits  # noqa: E402  (examples/, on the path through bench_fault_tolerance)
 import report  # noqa: E402
 
 from inshrink_jax import save, store  # noqa: E402
@@ -65,38 +65,45 @@ REPEATS = 7  # warm restores of each kind, alternated; the table gives their med
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=sorted(bench_fidelity.WORKLOADS), default="charlm")
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--config", default="", help="CompressionConfig overrides, key=value;key=value")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = ft.ij.CompressionConfig(**bench_fidelity.overrides(args.config))
-    work = ft.CharLM(0, 600)
+    cls = bench_fidelity.WORKLOADS[args.workload]
+    work, every = (cls(0) if cls is ft.Mnist else cls(0, cls.steps)), cls.every
     state = work.create_state()
-    eval_fn = jax.jit(lambda s: digits.loss_fn(s.params, s.apply_fn, *work.eval))
-    sens = ft.ij.GradientEMA(every=30)
+    if cls.metric == "accuracy":
+        x, y = work.eval
+        eval_fn = jax.jit(lambda s: jax.numpy.mean(jax.numpy.argmax(work.logits(s, x), -1) == y))
+    else:
+        eval_fn = jax.jit(lambda s: work.loss(s, *work.eval))
+    sens = ft.ij.GradientEMA(every=every)
     ema = sens.init(state.params)
     root = tempfile.mkdtemp()
     mngr = ocp.CheckpointManager(root, item_handlers=ft.ij.InshrinkCheckpointHandler(cfg),
                                  options=ocp.CheckpointManagerOptions(max_to_keep=3))
     seen, new, streams = {}, {}, []
     original, save._encode_shard = save._encode_shard, bench_delta.recording_streams(streams)
-    for step in range(1, 30 * args.saves + 1):
-        state, _, grads = digits.train_step(state, *work.batch(step))
+    for step in range(1, every * args.saves + 1):
+        state, _, grads = work.train_step(state, *work.batch(step))
         if sens.active(step):
             ema = sens.update(ema, grads)
-        if step % 30 == 0:
+        if step % every == 0:
             mngr.save(step, args=ft.ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
             mngr.wait_until_finished()
             now = report.files(root)
             new, seen = {p: n for p, n in now.items() if seen.get(p) != n}, now
     mngr.close()
     save._encode_shard = original
-    last = 30 * args.saves
+    last = every * args.saves
     reader = store.Reader(os.path.join(root, str(last), "default"))
     groups = collections.Counter()
     for leaf, shards in reader.shards.items():
         meta = reader.leaves[leaf]
-        who = "mu" if ".mu" in leaf else "nu" if ".nu" in leaf else "parameters" if meta.part == "params" else "other"
+        who = ("mu" if ".mu" in leaf else "nu" if ".nu" in leaf else "momentum" if ".trace" in leaf else
+               "parameters" if meta.part == "params" else "other")
         how = "quantized" if meta.kind == "quantized" else "stored exactly"
         groups[f"{who}, {how}"] += sum(s.length for _, sh in shards for s in sh.segments.values())
     files, as_json = collections.Counter(), collections.Counter()
@@ -111,10 +118,11 @@ def main(argv=None):
                          text=True, check=True)
     restored = json.loads(out.stdout.strip().splitlines()[-1])
     total = sum(new.values())
-    cmd = f"python benchmarks/save_breakdown.py --saves {args.saves}" + \
+    cmd = f"python benchmarks/save_breakdown.py --workload {args.workload} --saves {args.saves}" + \
         (f" --config '{args.config}'" if args.config else "") + (f" --out {args.out}" if args.out else "")
-    lines = [f"# One save of the character transformer (step {last}), byte by byte", "", f"Command: `{cmd}`", "",
-             f"Configuration: CompressionConfig({args.config.replace(';', ', ')}); {args.saves} saves, one every 30 "
+    lines = [f"# One save of the {args.workload} workload (step {last}), byte by byte", "", f"Command: `{cmd}`", "",
+             f"{work.describe(cls.steps)}.", "",
+             f"Configuration: CompressionConfig({args.config.replace(';', ', ')}); {args.saves} saves, one every {every} "
              f"steps; the last one wrote {total:,} bytes (raw state "
              f"{ft.nbytes(state.params) + ft.nbytes(state.opt_state) + ft.nbytes(state.step):,}).", "",
              "| leaf group | segment bytes |", "|---|---:|"]
