@@ -59,7 +59,7 @@ def stream_kind(rec, extra: dict) -> str:
     """Which of STREAM_KINDS a stored code stream is, from its leaf's record and its segment's fields."""
     if rec.method == "weights":
         return STREAM_KINDS[1] if extra.get("prior") else STREAM_KINDS[0]
-    if rec.scale_leaf is not None:
+    if rec.scale_leaf is not None or ".trace" in rec.keystr:  # SGD's momentum: a first moment without a scale
         return STREAM_KINDS[4]
     return STREAM_KINDS[3] if extra.get("base") else STREAM_KINDS[2]
 
