@@ -249,6 +249,9 @@ def main(argv=None):
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                     help="instead of running: one table of the runs in these figure files (invocations of this "
                          "workload with the same --cache, e.g. ours and the baselines run side by side)")
+    ap.add_argument("--rename", nargs="+", default=(), metavar="OLD=>NEW",
+                    help="with --merge: give the row OLD the name NEW in the table (a row run under an explicit "
+                         "setting that a later release made the default, or a default that a later release changed)")
     ap.add_argument("--cache", default=None, help="directory keeping the uninterrupted reference runs between "
                                                   "invocations (they do not depend on the methods)")
     ap.add_argument("--references", default=None, metavar="JSON",
@@ -302,6 +305,11 @@ def main(argv=None):
     for path in args.merge or []:
         with open(path) as f:
             rows.update(json.load(f)["rows"])
+    renames = dict((*item.split("=>", 1), "")[:2] for item in args.rename)
+    missing = [old for old, new in renames.items() if old not in rows or not new]
+    if missing:
+        raise SystemExit(f"--rename: no row {missing[0]!r} among {sorted(rows)} (or no new name)")
+    rows = {renames.get(name, name): r for name, r in rows.items()}
     for name in [] if args.merge else args.methods:
         r = ft.run(method(name), work, steps, every, failures)
         r["degradation"] = degradation(r["quality"])
