@@ -68,12 +68,20 @@ RAW = "raw"
 _ESCAPE_KEEP = 5  # values "zstd-escape" ranks (with its escape: base 6, three to a byte)
 _PACK_WIDTHS = (1, 2, 4)
 DEFAULT_LEVEL = 3
-# Code and delta streams: whichever of these is smaller, at zstd level 1. On near-memoryless uint8 streams
-# level 1 comes closer to the order-0 entropy than level 3 (whose extra matches cost more than they save):
-# 1.18x vs 1.28x H0 on 8-level codes of a real training trace; the codec choice takes its rearranged deltas from
-# 1.73x (plain zstd) to 1.02x H0 (1.07x with zstd-rle before zstd-runs and zstd-rank; benchmarks/results/delta.md).
+# Code and delta streams: whichever of these is smaller, at the zstd settings `CODE_PARAMS` (named by CODE_LEVEL
+# where a level is asked for). Their bytes are near memoryless: what zstd gains on them is its Huffman coding of
+# literals, and a match is worth its cost only when long. Level 3's matches cost more than they save (1.28x against
+# level 1's 1.18x H0 on 8-level codes of a real training trace), and level 1's too on packed streams of few
+# values: on the 440k transformer's 20 saves, level 1 stored every code stream at 1.065x their order-0 entropy
+# (Adam's first moments, 5-9 cells, at 1.135x), these settings (level 1's fast strategy, 64-entry match tables,
+# matches of 7 bytes or more) at 1.037x (1.079x), and compress faster (benchmarks/results/save_breakdown.md has the
+# table; the level 1 figures are the same command at commit a0e8c83). The codec choice takes a real trace's rearranged deltas from 1.73x (plain zstd) to 1.02x H0
+# (benchmarks/results/delta.md). A reader needs nothing of this: the frames are plain zstandard.
 CODE_CODECS = (ZSTD, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE)
-CODE_LEVEL = 1
+CODE_LEVEL = "codes"
+CODE_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7,
+                                                  target_length=0, strategy=zstandard.STRATEGY_FAST,
+                                                  write_content_size=1)
 # Lossless float data: byte planes win on trained weights (their exponent bytes repeat), plain zstd (what Orbax
 # stores) where whole values repeat; taking the smaller costs a second pass and is never larger than either.
 LOSSLESS_CODECS = (ZSTD_PLANES, ZSTD)
@@ -86,7 +94,7 @@ def _bytes_view(data: bytes | np.ndarray) -> np.ndarray:
     return np.frombuffer(data, np.uint8)
 
 
-def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int = DEFAULT_LEVEL,
+def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEFAULT_LEVEL,
              counts: np.ndarray | None = None) -> bytes:
     """Compress a byte string or the raw bytes of an array with `codec` (see the module docstring). `counts`:
     the bytes' histogram (`byte_counts`) when the caller has it, which zstd-rank would otherwise count again."""
@@ -160,7 +168,7 @@ def _ranks(arr: np.ndarray, alphabet: np.ndarray, other: int) -> np.ndarray:
     return np.take(rank_of, arr)
 
 
-def _radix_of(arr: np.ndarray, base: int, level: int) -> bytes:
+def _radix_of(arr: np.ndarray, base: int, level: int | str) -> bytes:
     """"zstd-radix" of uint8 values below `base` (2..16; the header states `base`, at least 2)."""
     base = max(base, 2)
     per = _radix_digits(base)
@@ -180,10 +188,12 @@ def _radix_of(arr: np.ndarray, base: int, level: int) -> bytes:
 _contexts = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+def _compressor(level: int | str) -> zstandard.ZstdCompressor:
+    """This thread's compressor at a zstd level, or at `CODE_PARAMS` for `CODE_LEVEL`."""
     made = _contexts.__dict__.setdefault("compressors", {})
     if level not in made:
-        made[level] = zstandard.ZstdCompressor(level=level)
+        made[level] = zstandard.ZstdCompressor(compression_params=CODE_PARAMS) if level == CODE_LEVEL else \
+            zstandard.ZstdCompressor(level=level)
     return made[level]
 
 
@@ -205,7 +215,7 @@ def _radix_digits(base: int) -> int:
     return n
 
 
-def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int = DEFAULT_LEVEL) -> tuple[bytes, str]:
+def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int | str = DEFAULT_LEVEL) -> tuple[bytes, str]:
     """The smallest of `compress` with each of `codecs` that can win on `data` (`_can_win`) and the raw bytes:
     (bytes, codec id used)."""
     raw = _bytes_view(data)

@@ -227,7 +227,7 @@ def test_escape_streams_round_trip(n, distinct, tail, seed):
 def test_many_cell_codes_with_a_rare_tail_cost_about_what_five_cells_do(step):
     """Codes of a uniform quantizer with 63 cells (values 1..63, the centre 32) of a heavy-tailed residual: most
     values in the central five cells, a rare tail in the others. "zstd-escape" is chosen and stores them within
-    4% of the bytes of the same codes clipped to the five central cells (plain zstd, one value a byte: 1.4-1.8x
+    4% of the bytes of the same codes clipped to the five central cells (plain zstd, one value a byte: 1.3-1.75x
     their order-0 entropy)."""
     rng = np.random.default_rng(1)
     r = rng.standard_t(4, size=400_000)
@@ -238,7 +238,7 @@ def test_many_cell_codes_with_a_rare_tail_cost_about_what_five_cells_do(step):
     assert used == codec.ZSTD_ESCAPE
     clipped = len(codec.compress_best(five, codec.CODE_CODECS, codec.CODE_LEVEL)[0])
     assert len(blob) <= 1.04 * clipped, (len(blob), clipped)
-    assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.4 * codec.order0_entropy_bytes(a)
+    assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.3 * codec.order0_entropy_bytes(a)
     assert codec.decompress(blob, used, a.size) == a.tobytes()
 
 
