@@ -26,6 +26,7 @@ def arrays(tree):
     return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
 
 
+@pytest.mark.slow  # 30 s; .ci/run runs it
 def test_a_background_save_stores_what_a_save_on_the_callers_thread_stores(tmp_path, trained):
     """Three saves (a keyframe, then closed-loop residuals) with the search and an eval_fn, once on the caller's
     thread and once in the background, where every array passed to save() is deleted as soon as save() returns

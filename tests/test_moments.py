@@ -45,6 +45,7 @@ def update_error(restored, mu, nu=None) -> float:
     return float(((np.asarray(restored, np.float64)[ok] / s[ok] - u) ** 2).sum() / max((u ** 2).sum(), 1e-300))
 
 
+@pytest.mark.slow  # 25 s; .ci/run runs it
 @hypothesis.settings(deadline=None, max_examples=25)
 @hypothesis.given(st.integers(0, 2**31 - 1), st.sampled_from([2, 4, 16, 127]), st.floats(0.0, 0.9),
                   st.sampled_from(["float32", "bfloat16", "float16"]), st.booleans())
