@@ -233,14 +233,18 @@ def reference(work, steps: int, every: int) -> dict:
     return dict(quality=work.quality(state), losses=losses, curve=curve, seconds=seconds)
 
 
+def eval_fn_of(work, metric: str):
+    """The jitted eval_fn the harness gives a save: accuracy on the eval set for metric "accuracy", else its loss."""
+    if metric == "accuracy":
+        x, y = work.eval
+        return jax.jit(lambda s: jnp.mean(jnp.argmax(work.logits(s, x), -1) == y))
+    return jax.jit(lambda s: work.loss(s, *work.eval))
+
+
 def run(meth, work, steps: int, every: int, failures: list[int]) -> dict:
     """Train with checkpoints and failures; per-save figures, final quality, timings."""
     curve_fn = jax.jit(lambda s: work.loss(s, *work.eval))
-    if meth.metric == "accuracy":
-        x, y = work.eval
-        eval_fn = jax.jit(lambda s: jnp.mean(jnp.argmax(work.logits(s, x), -1) == y))
-    else:
-        eval_fn = curve_fn
+    eval_fn = curve_fn if meth.metric != "accuracy" else eval_fn_of(work, meth.metric)
     sens = ij.GradientEMA(every=every)
     root = tempfile.mkdtemp()
     like = work.create_state()

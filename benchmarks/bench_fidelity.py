@@ -305,7 +305,7 @@ def main(argv=None):
     for path in args.merge or []:
         with open(path) as f:
             rows.update(json.load(f)["rows"])
-    renames = dict((*item.split("=>", 1), "")[:2] for item in args.rename)
+    renames = {old: new for old, _, new in (item.partition("=>") for item in args.rename)}
     missing = [old for old, new in renames.items() if old not in rows or not new]
     if missing:
         raise SystemExit(f"--rename: no row {missing[0]!r} among {sorted(rows)} (or no new name)")

@@ -74,11 +74,7 @@ def main(argv=None):
     cls = bench_fidelity.WORKLOADS[args.workload]
     work, every = (cls(0) if cls is ft.Mnist else cls(0, cls.steps)), cls.every
     state = work.create_state()
-    if cls.metric == "accuracy":
-        x, y = work.eval
-        eval_fn = jax.jit(lambda s: jax.numpy.mean(jax.numpy.argmax(work.logits(s, x), -1) == y))
-    else:
-        eval_fn = jax.jit(lambda s: work.loss(s, *work.eval))
+    eval_fn = ft.eval_fn_of(work, cls.metric)
     sens = ft.ij.GradientEMA(every=every)
     ema = sens.init(state.params)
     root = tempfile.mkdtemp()

@@ -489,8 +489,9 @@ def test_a_residual_save_over_epsilon_at_the_space_top_goes_finer(tmp_path, spac
     assert mngr.item_metadata(2)["search"]["chosen"]["bins"] <= max(space.bins)
 
 
-@pytest.mark.parametrize("weighted", [pytest.param(False, marks=pytest.mark.slow), pytest.param(True, marks=pytest.mark.slow)])
-def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):  # 30 s each; .ci/run runs them
+@pytest.mark.slow  # 30 s a case; .ci/run runs them
+@pytest.mark.parametrize("weighted", [False, True])
+def test_layers_on_disjoint_device_sets_save_and_restore(tmp_path, weighted):
     """Pipeline-style placement: each layer, its Adam moments included, sharded over its own pair of devices.
     The encoders, the second moments' encoder and the weighting run one call per device set (a jitted call takes arrays of one device set: such a save failed); each reconstruction stays on
     its layer's devices, so both layers continue their chains (one placed elsewhere made its leaf a keyframe at
