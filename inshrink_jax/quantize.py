@@ -171,7 +171,8 @@ class Kind(NamedTuple):
     `buckets`), whether each tensor may be pruned, each one's protected-value storage dtype, the number of level
     slots, `entropy_slots` (0, or the non-zero levels of entropy-constrained coding, QuantConfig.rate), and
     `own_bins`: whether the type's bin count is a field of its own (embedding tables: QuantConfig.embedding_bins),
-    not the shared one (QuantConfig.bins)."""
+    not the shared one (QuantConfig.bins), and per bucket the stride of the elements its histograms count
+    (`sketch.sample_stride`)."""
 
     buckets: tuple[tuple[int, ...], ...]
     prunable: tuple[bool, ...]
@@ -179,6 +180,7 @@ class Kind(NamedTuple):
     capacity: int
     entropy_slots: int
     own_bins: bool
+    strides: tuple[int, ...]
 
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
@@ -300,9 +302,13 @@ def _partition(xs, gs, offsets, factors, use_sensitivity, protect_fraction, prun
         pruned = [jnp.zeros_like(p) for p in protected]
 
     quantized = [~p & ~q for p, q in zip(protected, pruned)]
-    counts = jnp.concatenate([per_tensor_map(lambda x, m: sketch.histogram(x, spec, m), x32, m)
-                              for (x32, _, _, _), m in zip(scored, quantized)])
+    counts = jnp.concatenate([per_tensor_map(functools.partial(_sampled_histogram, spec=spec, stride=s), x32, m)
+                              for (x32, _, _, _), m, s in zip(scored, quantized, kind.strides)])
     return _Partition([x for x, _ in groups], scored, protected, pruned, counts, [i for b in kind.buckets for i in b])
+
+
+def _sampled_histogram(x, mask, *, spec, stride):
+    return sketch.histogram(x, spec, mask, stride)
 
 
 def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool):
@@ -563,8 +569,10 @@ def encode_on_device(
         prunable = tuple(xs[i].ndim >= 2 for i in ix)
         out_dtypes = tuple(protected_storage_dtype(xs[i].dtype if offsets[i] is None else jnp.float32, cfg)
                            for i in ix)
-        kinds.append(Kind(buckets(gxs, ggs, goffs, weighted, prunable, out_dtypes), prunable, out_dtypes, capacity,
-                          b if quant.rate > 0 else 0, kind == "embedding"))
+        bs = buckets(gxs, ggs, goffs, weighted, prunable, out_dtypes)
+        strides = tuple(sketch.sample_stride(np.shape(gxs[bk[0]]), len(devices_of(gxs[bk[0]])) <= 1) for bk in bs)
+        kinds.append(Kind(bs, prunable, out_dtypes, capacity, b if quant.rate > 0 else 0, kind == "embedding",
+                          strides))
         bins.append(b)
     # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
     # convolutions on one device and shard its dense layers). A host array goes wherever the others are.

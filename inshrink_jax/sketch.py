@@ -96,11 +96,44 @@ def bucket_index(x: jax.Array, spec: SketchSpec) -> jax.Array:
     return jnp.where(jnp.isfinite(x), idx, 0)
 
 
-def histogram(x: jax.Array, spec: SketchSpec, mask: jax.Array | None = None) -> jax.Array:
-    """int32 counts per bucket of the finite elements of `x` (where `mask` is True).
+# A tensor of at least SAMPLE_MIN_SIZE elements (on one device) is histogrammed from a sample of about
+# HISTOGRAM_SAMPLES of them (`sample_stride`): a histogram pass is a scatter, which XLA's CPU backend runs as a
+# serial loop (about 4 ns an element, the largest cost of encoding a large tensor: benchmarks/results/stages.md),
+# and k-means levels, a uniform quantizer's width and its outer cells' means are statistics that a million
+# values fix far below the quantization's own error.
+HISTOGRAM_SAMPLES = 1 << 20
+SAMPLE_MIN_SIZE = 3 * HISTOGRAM_SAMPLES
+
+
+def _is_prime(k: int) -> bool:
+    return k >= 2 and all(k % d for d in range(2, math.isqrt(k) + 1))
+
+
+def sample_stride(shape, one_device: bool) -> int:
+    """The step between the elements (of the row-major flattened tensor) that `histogram` counts for a tensor of
+    `shape`: 1 (every element) below SAMPLE_MIN_SIZE elements or for a tensor spread over several devices (each
+    device counts its own shard; sampling it would move data between them), else the largest prime <=
+    size / HISTOGRAM_SAMPLES that divides no axis length, so the sample walks through every column of a matrix
+    (a stride that divides a row's length takes the same columns in every row: a biased sample where columns
+    differ, as they do between attention heads or channels)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if not one_device or size < SAMPLE_MIN_SIZE:
+        return 1
+    for stride in range(size // HISTOGRAM_SAMPLES, 2, -1):
+        if _is_prime(stride) and all(int(d) % stride for d in shape):
+            return stride
+    return 1
+
+
+def histogram(x: jax.Array, spec: SketchSpec, mask: jax.Array | None = None, stride: int = 1) -> jax.Array:
+    """int32 counts per bucket of the finite elements of `x` (where `mask` is True); with `stride` > 1 (static,
+    `sample_stride`) of every `stride`-th element of the row-major flattened `x` only, from the first.
 
     Works on sharded `x` inside jit: each shard scatters into a replicated histogram, then one all-reduce.
     """
+    if stride > 1:
+        x = x.reshape(-1)[::stride]
+        mask = None if mask is None else mask.reshape(-1)[::stride]
     # Elements not counted get an index past the end, which the scatter drops: cheaper than adding a 0 or 1
     # for every element.
     keep = jnp.isfinite(x) if mask is None else (mask & jnp.isfinite(x))

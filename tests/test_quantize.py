@@ -145,6 +145,37 @@ def test_large_tensors_encode_tensor_by_tensor_with_the_same_result(monkeypatch)
     assert np.mean(vmapped[0].codes == quantize.PRUNED) == pytest.approx(0.2, abs=0.01)
 
 
+def test_large_single_device_tensors_fit_levels_to_a_sample(monkeypatch):
+    """A tensor of sketch.SAMPLE_MIN_SIZE elements or more on one device fits its levels to a sampled histogram
+    (constants shrunk here so that 64 x 48 is large: stride 5): the partition stays exact, the levels change
+    little; the same tensor sharded over two devices is histogrammed whole, as before."""
+    from inshrink_jax import sketch
+    x = weights((64, 48), 40)
+    qc = QuantConfig(bins=8, protect_fraction=0.01)
+
+    def encode(arr):
+        jax.clear_caches()  # the encoder is traced again, with the constants of the moment
+        return quantize.encode_tensors([arr], [None], ["dense"], qc, CFG)[0]
+
+    whole = encode(jnp.asarray(x))
+    monkeypatch.setattr(sketch, "HISTOGRAM_SAMPLES", 512)
+    monkeypatch.setattr(sketch, "SAMPLE_MIN_SIZE", 3 * 512)
+    assert sketch.sample_stride(x.shape, True) == 5
+    sampled = encode(jnp.asarray(x))
+    assert not np.array_equal(sampled.centres, whole.centres)
+    for enc in (whole, sampled):
+        assert np.count_nonzero(enc.codes == quantize.protected_code(8)) == round(0.01 * x.size)
+
+    def mse(enc):
+        return float(np.mean((np.asarray(quantize.decode(enc), np.float64) - x) ** 2))
+
+    assert mse(sampled) <= 1.15 * mse(whole)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    sharded = encode(jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))))
+    np.testing.assert_array_equal(sharded.codes, whole.codes)
+    np.testing.assert_array_equal(sharded.centres, whole.centres)
+
+
 @pytest.mark.parametrize(
     "path,shape,kind",
     [

@@ -80,6 +80,38 @@ def test_non_finite_and_masked_values_are_not_counted():
     assert int(h.sum()) == 1
 
 
+def test_sample_stride():
+    """Large single-device tensors are histogrammed from a sample of at least HISTOGRAM_SAMPLES elements taken at
+    a prime stride that divides no axis (so it walks through every column); small or multi-device ones whole."""
+    assert sketch.sample_stride((4096, 4096), True) == 13  # 16 -> 13: the largest prime, and no axis is 13k
+    assert sketch.sample_stride((6250, 4096), True) == 23  # 24 -> 23
+    assert sketch.sample_stride((4096, 4096), False) == 1  # spread over devices: each counts its own shard
+    assert sketch.sample_stride((1000, 1000), True) == 1  # below SAMPLE_MIN_SIZE
+    assert sketch.sample_stride((3 * 2**20,), True) == 1  # the only candidate, 3, divides the axis
+    assert sketch.sample_stride((7, 7, 3 * 2**20), True) == 139  # 147 -> 139 (not 7 x 21 or 3 x 49)
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=3))
+def test_sample_strides_are_primes_dividing_no_axis(shape):
+    stride = sketch.sample_stride(tuple(shape), True)
+    size = math.prod(shape)
+    if stride == 1:
+        return
+    assert all(stride % d for d in range(2, stride)) and all(n % stride for n in shape)
+    assert size >= sketch.SAMPLE_MIN_SIZE and -(-size // stride) >= sketch.HISTOGRAM_SAMPLES
+
+
+def test_strided_histogram_counts_the_sample():
+    rng = np.random.default_rng(5)
+    x = heavy_tailed(rng, 96 * 70).reshape(96, 70)
+    mask = rng.random(x.shape) < 0.8
+    f = jax.jit(sketch.histogram, static_argnums=(1, 3))
+    sampled = np.asarray(f(jnp.asarray(x), SPEC, jnp.asarray(mask), 11))
+    expect = np.asarray(f(jnp.asarray(x.reshape(-1)[::11]), SPEC, jnp.asarray(mask.reshape(-1)[::11]), 1))
+    np.testing.assert_array_equal(sampled, expect)
+    assert sampled.sum() == mask.reshape(-1)[::11].sum()
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_inputs(dtype):
     x = heavy_tailed(np.random.default_rng(3), 5000).astype(dtype)
