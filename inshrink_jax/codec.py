@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import NamedTuple
 
 import numpy as np
 import zstandard
@@ -481,45 +480,6 @@ def _alphabet(blob: bytes, most: int, after: int, name: str) -> np.ndarray:
     if k > 1 and not np.all(alphabet[1:] > alphabet[:-1]):
         raise CodecError(f"{name} alphabet is not strictly ascending")
     return alphabet
-
-
-class Packed(NamedTuple):
-    """A "zstd-radix" or "zstd-rank" stream decompressed but not unpacked: `packed` (uint8, checked: each byte is
-    `per` digits in base `base`, least significant first), the value each digit stands for (`alphabet`, uint8,
-    `base` entries ascending) and the number of values `size`. A chain restore unpacks it on the device
-    (`quantize.PackedLink`): on the host the unpacking was most of a deep restore's work."""
-
-    packed: np.ndarray
-    base: int
-    alphabet: np.ndarray
-    size: int
-
-    @property
-    def per(self) -> int:
-        return _radix_digits(self.base)
-
-    def values_at(self, positions: np.ndarray) -> np.ndarray:
-        """The values at flat `positions` (each < `size`), unpacked on the host."""
-        per = self.per
-        digits = (self.packed[positions // per].astype(np.int64) // self.base ** (positions % per)) % self.base
-        return self.alphabet[digits]
-
-
-PACKED_CODECS = (ZSTD_RADIX, ZSTD_RANK)
-
-
-def packed_form(blob: bytes, codec: str, size: int) -> Packed | None:
-    """A stream of `size` one-byte values as `Packed`, for the codecs that pack (`PACKED_CODECS`; a "zstd-rank"
-    stream only where its base is its alphabet's size, which is what the encoder writes); None for any other
-    stream, which `decompress` decodes. Checked as `decompress` checks (CodecError)."""
-    if codec == ZSTD_RADIX:
-        packed, base = _radix_packed(blob, size)
-        return Packed(packed, base, np.arange(base, dtype=np.uint8), size)
-    if codec == ZSTD_RANK:
-        alphabet = _alphabet(blob, _RADIX_MAX, 0, ZSTD_RANK)
-        packed, base = _radix_packed(blob[1 + alphabet.size:], size)
-        return Packed(packed, base, alphabet, size) if base == alphabet.size else None
-    return None
 
 
 def _decompress_rank(blob: bytes, size: int) -> np.ndarray:

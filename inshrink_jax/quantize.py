@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inshrink_jax import codec, kmeans, sketch, threshold, weighting
+from inshrink_jax import kmeans, sketch, threshold, weighting
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 PRUNED = 0
@@ -717,70 +717,6 @@ def _table(enc: EncodedTensor, work) -> np.ndarray:
     return table
 
 
-class PackedLink(NamedTuple):
-    """A closed-loop residual link for `decode_chain` whose codes are still packed (`codec.Packed`, the stream as
-    stored) and which has no protected values: the chain's kernels unpack it on the device, digits by float
-    arithmetic (`_device_digits`), and look each digit's level up in one table (its code's level). Unpacking on
-    the host, one table lookup per packed byte, was most of a deep restore's time.
-
-    Attributes: packed (its `alphabet` holds codes of `centres`' levels; none the protected code), centres,
-    shape (the tensor's), dtype (the leaf's dtype name)."""
-
-    packed: "codec.Packed"
-    centres: np.ndarray
-    shape: tuple
-    dtype: str
-
-    @property
-    def bins(self) -> int:
-        return int(self.centres.shape[0])
-
-    @property
-    def protected(self) -> np.ndarray:
-        return np.zeros(0, np.float32)
-
-    def codes_at(self, positions: np.ndarray) -> np.ndarray:
-        return self.packed.values_at(positions)
-
-    def digit_table(self, work) -> np.ndarray:
-        """digit -> value (256 slots, the unused ones 0): `_table` of its codes, in digit order."""
-        table = np.zeros(256, work)
-        table[:self.packed.base] = _table(self, work)[self.packed.alphabet]
-        return table
-
-
-def packed_link(packed: "codec.Packed", centres: np.ndarray, shape: tuple, dtype: str) -> PackedLink:
-    """A `PackedLink`, checked like a residual's codes (ValueError): a code above its levels' protected code, or
-    the protected code itself (a residual link of this kind stores no protected values)."""
-    n = int(np.prod(shape, dtype=np.int64))
-    if packed.size != n:
-        raise ValueError(f"corrupt chain: a packed link of {packed.size} codes on a tensor of {n}")
-    top = int(packed.alphabet.max()) if packed.alphabet.size else 0
-    if top >= centres.shape[0] + 1:
-        raise ValueError(f"corrupt encoded tensor: its packed codes name code {top}, at or above the protected code "
-                         f"{centres.shape[0] + 1} of its {centres.shape[0]} levels, and it stores no protected values")
-    return PackedLink(packed, centres, tuple(shape), dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("per", "size", "padded"))
-def _device_digits(packed, base, *, per, size, padded):
-    """The digits (uint8, `padded` of them: the first `size` from `packed`, zeros after) of packed bytes, `per`
-    digits a byte in base `base` (traced: one kernel per size and digits a byte), least significant first. Float
-    arithmetic, exact: with q_0 the byte and q_(j+1) = floor((q_j + 0.5) / base), digit j is q_j - base q_(j+1);
-    (q_j + 0.5) / base is at least 1 / 32 from an integer and float32 computes it within 256 x 2^-23 (XLA's CPU
-    backend vectorises this; an integer division by a traced divisor is a scalar loop)."""
-    b = base.astype(jnp.float32)
-    inv = 1.0 / b
-    q = packed.astype(jnp.float32)
-    digits = []
-    for _ in range(per):
-        nxt = jnp.floor((q + 0.5) * inv)
-        digits.append(q - b * nxt)
-        q = nxt
-    d = jnp.stack(digits, axis=-1).reshape(-1)[:size].astype(jnp.uint8)
-    return d if padded == size else jnp.pad(d, (0, padded - size))
-
-
 # A chain's residual links are added in groups of this many per kernel call (the last group padded with links
 # that change nothing): the kernels compile once per tensor size, whatever the chain's length.
 CHAIN_GROUP = 4
@@ -849,9 +785,8 @@ def decode_chain(links: Sequence, device=None,
     first link) plus each residual in turn, `decode(residual, offset=the reconstruction so far)` link by link, bit
     for bit, in jitted kernels on `device` (default device if None).
 
-    `links`: per link, (an `EncodedTensor` (a residual; or the first link), a `PackedLink` (a residual without
-    protected values, unpacked on the device) or exact values (the first link only), its protected weights' flat
-    positions or None), or a `concurrent.futures.Future` of that pair: a link's
+    `links`: per link, (an `EncodedTensor` (a residual; or the first link) or exact values (the first link only),
+    its protected weights' flat positions or None), or a `concurrent.futures.Future` of that pair: a link's
     kernels are dispatched as soon as it and the links before it have arrived, so the caller's threads
     decompress later links while the device adds earlier ones. `weightings`: per residual (links after the
     first), None or its weighting factors over the tensor (one int vector per axis, weighting.py): its decoded
@@ -876,8 +811,6 @@ def decode_chain(links: Sequence, device=None,
         return [e for e, _ in got[:k]]
 
     first = upto(1)[0]
-    if isinstance(first, PackedLink):
-        raise ValueError("corrupt chain: its first link is a packed residual, not a keyframe or exact values")
     dtype = np.dtype(jnp.dtype(first.dtype if isinstance(first, EncodedTensor) else first.dtype))
     shape = first.codes.shape if isinstance(first, EncodedTensor) else first.shape
     n = int(np.prod(shape, dtype=np.int64))
@@ -904,33 +837,27 @@ def decode_chain(links: Sequence, device=None,
     for g in range(0, count, CHAIN_GROUP):
         group = upto(1 + min(g + CHAIN_GROUP, count))[1 + g:]
         for e in group:
-            if not isinstance(e, (EncodedTensor, PackedLink)):
+            if not isinstance(e, EncodedTensor):
                 raise ValueError("corrupt chain: a link after the first holds exact values, not a residual")
-            link_shape = e.shape if isinstance(e, PackedLink) else e.codes.shape
-            if tuple(link_shape) != tuple(shape):
-                raise ValueError(f"corrupt chain: a link of shape {tuple(link_shape)} on a tensor of shape "
+            if e.codes.shape != tuple(shape):
+                raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape "
                                  f"{tuple(shape)}")
         ks = exps[g:g + CHAIN_GROUP]
         # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
-        # A packed link sends its packed bytes and is indexed by digit (its table in digit order).
-        host = [[e.packed.packed if isinstance(e, PackedLink) else _flat(e.codes, size_n) for e in group],
-                np.stack([e.digit_table(f32) if isinstance(e, PackedLink) else _table(e, f32)
-                          for e in group + group[-1:] * (CHAIN_GROUP - len(group))]),
+        host = [[_flat(e.codes, size_n) for e in group],
+                np.stack([_table(e, f32) for e in group + group[-1:] * (CHAIN_GROUP - len(group))]),
                 np.arange(CHAIN_GROUP) < len(group)]
         weighted = any(k is not None for k in ks)
         if weighted:
             zero = np.zeros(size_n, np.int8)
             host.append([zero if k is None else _flat(k, size_n) for k in ks] + [zero])
         on_device = put(host)
-        codes = [_device_digits(c, np.int32(e.packed.base), per=e.packed.per, size=n, padded=size_n)
-                 if isinstance(e, PackedLink) else c for e, c in zip(group, on_device[0])]
         pad = CHAIN_GROUP - len(group)
         exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
-        out = _chain_group(out, tuple(codes) + (codes[-1],) * pad, on_device[1], on_device[2],
+        out = _chain_group(out, tuple(on_device[0]) + (on_device[0][-1],) * pad, on_device[1], on_device[2],
                            exps_dev, dtype=jnp.dtype(dtype))
-    encoded = [(e, p) for e, p in got if isinstance(e, (EncodedTensor, PackedLink))]
-    positions = [np.zeros(0, np.int64) if isinstance(e, PackedLink) else _checked_positions(e, p)
-                 for e, p in encoded]
+    encoded = [(e, p) for e, p in got if isinstance(e, EncodedTensor)]
+    positions = [_checked_positions(e, p) for e, p in encoded]
     # Every protected position once (`at`, ascending), and where each link's positions are in it (`where`): a
     # stable sort of the links' ascending positions merges them.
     cat = np.concatenate(positions) if positions else np.zeros(0, np.int32)
@@ -949,7 +876,7 @@ def decode_chain(links: Sequence, device=None,
     else:
         a = np.asarray(first).reshape(-1)[at]
     for e, w, k in zip(residuals, where[len(encoded) - len(residuals):], exps):
-        r = _table(e, f32)[e.codes_at(at) if isinstance(e, PackedLink) else e.codes.reshape(-1)[at]]
+        r = _table(e, f32)[e.codes.reshape(-1)[at]]
         r[w] = e.protected.astype(f32)
         if k is not None:  # times 2^K: exact, as on the device
             r = np.ldexp(r, k[at].astype(np.int32)).astype(f32)

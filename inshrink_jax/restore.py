@@ -22,7 +22,7 @@ import numpy as np
 from orbax.checkpoint._src import asyncio_utils
 from orbax.checkpoint._src.serialization import limits
 
-from inshrink_jax import codec, quantize, records, store
+from inshrink_jax import quantize, records, store
 
 
 def restore(reader: store.Reader, target: Any, threads: int, chained: dict | None = None,
@@ -465,9 +465,8 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
     reconstruction with, so the result is bit-identical to it). A large leaf's links are decompressed in parallel
     threads (zstandard and NumPy release the GIL), in chain order, while the device adds those that have arrived."""
     shape, dtype = tuple(meta.shape), np.dtype(jnp.dtype(meta.dtype))
-    links, objs = [], []
+    links = []
     for obj, shards in reader.links(meta.keystr):
-        objs.append(obj)
         if "data" in shards[0][1].segments:
             links.append((shards, None, _once(lambda p, e, obj=obj: obj.array(
                 meta.keystr, p, e.segments["data"], "data", dtype, store.box_shape(e.box)))))
@@ -491,8 +490,6 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
             if centres is None:  # exact values: the first link only
                 def job(shards=shards, read=read):
                     return _fill(box, dtype, [(e.box, functools.partial(read, p, e)) for p, e in shards], what), None
-            elif k and _packable(box, shards):
-                job = functools.partial(_packed_or_encoded, box, shards, objs[k], meta, read, centres, what)
             else:
                 job = functools.partial(_encoded, box, shards, *read, centres, meta.dtype, what)
             parts.append(job() if pool is None else pool.submit(job))
@@ -515,29 +512,6 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
     if numpy:
         return np.asarray(build_all(boxes[0], None))
     return _make_array(shape, sharding, build_all, what)
-
-
-def _packable(box, shards: list) -> bool:
-    """Whether a residual link over `box` can go to the chain's kernels packed (`quantize.PackedLink`): one
-    stored shard that is the box, no protected values, a codec that packs."""
-    if len(shards) != 1 or store.box_key(shards[0][1].box) != store.box_key(box):
-        return False
-    segs = shards[0][1].segments
-    return "codes" in segs and segs["codes"].codec in codec.PACKED_CODECS and \
-        "protected" in segs and segs["protected"].count == 0
-
-
-def _packed_or_encoded(box, shards: list, obj, meta: records.Leaf, read: tuple, centres: np.ndarray, what: str):
-    """A `_packable` residual link as (`quantize.PackedLink`, no positions), or as `_encoded` gives it where its
-    stream turns out not to pack (a "zstd-rank" stream whose base is not its alphabet's size)."""
-    p, e = shards[0]
-    packed = obj.packed(meta.keystr, p, e.segments["codes"], "codes", store.box_shape(e.box))
-    if packed is None:
-        return _encoded(box, shards, *read, centres, meta.dtype, what)
-    try:
-        return quantize.packed_link(packed, centres, tuple(store.box_shape(box)), meta.dtype), None
-    except ValueError as err:
-        raise store.CheckpointCorruptError(f"{what}: object {obj.id}: {err}") from None
 
 
 def _link_weighting(box, shards: list, what: str) -> list[np.ndarray] | None:

@@ -604,18 +604,6 @@ class _Object:
                                          f"{self.id}: {e}") from None
         return raw.view(dtype).reshape(shape)
 
-    def packed(self, leaf: str, p: int, seg: records.Segment, name: str, shape) -> "codec.Packed | None":
-        """A code segment (one byte a value) of `shape` as stored packed (`codec.packed_form`), checked as
-        `array` checks it; None when its codec does not pack (`array` decodes it)."""
-        if seg.codec not in codec.PACKED_CODECS:
-            return None
-        try:
-            return codec.packed_form(self.segment(leaf, p, seg, name), seg.codec,
-                                     int(np.prod(shape, dtype=np.int64)))
-        except codec.CodecError as e:
-            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} of object "
-                                         f"{self.id}: {e}") from None
-
 
 def box_key(box) -> tuple:
     """A shard box ([[start, stop], ...]) as a hashable key."""

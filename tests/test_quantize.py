@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inshrink_jax import CompressionConfig, QuantConfig, codec, quantize, threshold
+from inshrink_jax import CompressionConfig, QuantConfig, quantize, threshold
 
 CFG = CompressionConfig()
 
@@ -304,48 +304,3 @@ def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype
     for out in (padded, plain):
         assert out.shape == shape and out.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expect.reshape(shape).view(np.uint8))
-
-
-@pytest.mark.parametrize("shape,dtype", [((3000,), "float32"), ((37, 41), "bfloat16")])
-def test_packed_residual_links_decode_on_the_device_bit_for_bit(shape, dtype, monkeypatch):
-    """Residual links handed to decode_chain still packed (`PackedLink`, as a restore reads radix- and
-    rank-packed streams) give the chain the host-unpacked links give, bit for bit: every base a stream can have
-    (2 to 16: 8 to 2 digits a byte), ranks of a sparse alphabet, a keyframe whose protected weights the residuals'
-    codes at those positions are recomputed for (`codes_at`), padded or not."""
-    rng = np.random.default_rng(1)
-    n, bins = int(np.prod(shape)), 20
-    key_codes = rng.integers(1, bins + 1, shape).astype(np.uint8)
-    key_codes.reshape(-1)[rng.choice(n, 5, replace=False)] = bins + 1
-    keyframe = quantize.EncodedTensor(key_codes, np.sort(rng.normal(size=bins)).astype(np.float32),
-                                      rng.normal(size=5).astype(np.float32).astype(jnp.bfloat16), dtype)
-    host, packed = [], []
-    for base in range(2, 17):
-        # ranks of a sparse alphabet (odd bases), or radix digits 0..base-1 (even ones)
-        alphabet = (np.sort(rng.choice(np.arange(bins + 1), base, replace=False)) if base % 2
-                    else np.arange(base)).astype(np.uint8)
-        codes = alphabet[rng.integers(0, base, shape)]
-        codes.reshape(-1)[:base] = alphabet  # every value present
-        centres = rng.normal(size=bins).astype(np.float32) * 0.01
-        stream = codec.compress(codes, codec.ZSTD_RANK if base % 2 else codec.ZSTD_RADIX)
-        form = codec.packed_form(stream, codec.ZSTD_RANK if base % 2 else codec.ZSTD_RADIX, n)
-        assert form is not None and form.base == base
-        np.testing.assert_array_equal(form.values_at(np.arange(n)), codes.reshape(-1))
-        host.append(quantize.EncodedTensor(codes, centres, np.zeros(0, np.float32), dtype))
-        packed.append(quantize.packed_link(form, centres, shape, dtype))
-    expect = quantize.decode_chain([(keyframe, None)] + [(e, None) for e in host])
-    got = quantize.decode_chain([(keyframe, None)] + [(e, None) for e in packed])
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(expect).view(np.uint8))
-    monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 0)
-    got = quantize.decode_chain([(keyframe, None)] + [(e, None) for e in packed])
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(expect).view(np.uint8))
-
-
-def test_a_packed_link_naming_the_protected_code_is_refused():
-    codes = np.array([0, 1, 7], np.uint8)  # 6 levels: 7 is the protected code, and the link stores no values
-    form = codec.packed_form(codec.compress(codes, codec.ZSTD_RADIX), codec.ZSTD_RADIX, 3)
-    with pytest.raises(ValueError, match="protected code"):
-        quantize.packed_link(form, np.zeros(6, np.float32), (3,), "float32")
-    with pytest.raises(ValueError, match="3 codes on a tensor of 4"):
-        quantize.packed_link(form, np.zeros(8, np.float32), (4,), "float32")
-    with pytest.raises(ValueError, match="first link is a packed residual"):
-        quantize.decode_chain([(quantize.packed_link(form, np.zeros(8, np.float32), (3,), "float32"), None)])
