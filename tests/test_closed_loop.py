@@ -197,7 +197,8 @@ def test_sharded_save_restored_replicated_continues_the_chain(tmp_path):
     assert r2["w"].sharding == split and rms(r2["w"], states[2]["w"]) < rms(restored["w"], states[1]["w"])
 
 
-@pytest.mark.parametrize("quant", [ij.QuantConfig(bins=8, protect_fraction=0.02),
+@pytest.mark.parametrize("quant", [pytest.param(ij.QuantConfig(bins=8, protect_fraction=0.02),
+                                                marks=pytest.mark.slow),  # 23 s; .ci/run runs it
                                    ij.QuantConfig(bins=14, embedding_bins=14, protect_fraction=0.02, rate=0.2)],
                          ids=["k-means levels", "entropy-constrained levels"])
 def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path, monkeypatch, quant):

@@ -69,6 +69,7 @@ def closed_loop_error(restored, original, leaves) -> float:
     return total
 
 
+@pytest.mark.slow  # 34 s; .ci/run runs it
 def test_train_state_round_trip_through_async_manager(tmp_path, trained):
     state, grads, (_, _, vx, vy) = trained
     mngr = manager(tmp_path, max_to_keep=2)
@@ -511,6 +512,7 @@ def test_a_plain_checkpointer_keeps_everything_under_its_path(tmp_path, checkpoi
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["ck0"]
 
 
+@pytest.mark.slow  # 21 s; .ci/run runs it
 def test_orbax_standard_args_through_handler_registry(tmp_path, trained):
     """Code written for Orbax's standard handler keeps its call sites: StandardSave / StandardRestore (and the
     PyTree ones) through `ij.handler_registry` are compressed saves and restores of the same format, with a delta
@@ -599,6 +601,7 @@ def test_explicit_mesh_saves_and_restores_without_target_in_the_saved_sharding(t
     assert out.stdout.split("\n")[-2] == "1 True 1", out.stderr[-2000:]  # one warning for the three leaves
 
 
+@pytest.mark.slow  # 22 s; .ci/run runs it
 def test_steps_orbax_wrote_in_the_root_restore_and_the_run_goes_on(tmp_path, trained, capsys):
     """A run moved over to inshrink_jax: the steps Orbax's standard handler wrote restore through our handler
     (into a target, and without one), our saves go on in the same root (a keyframe first) with retention
