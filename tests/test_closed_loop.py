@@ -171,6 +171,7 @@ def test_a_lossless_save_is_an_exact_root(tmp_path):
     assert rms(mngr.restore(1)["w"], states[1]["w"]) < 0.05 * float(np.std(np.asarray(states[1]["w"])))
 
 
+@pytest.mark.slow  # 19 s; .ci/run runs it
 def test_sharded_save_restored_replicated_continues_the_chain(tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))

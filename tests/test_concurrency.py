@@ -9,6 +9,7 @@ import threading
 import time
 
 import orbax.checkpoint as ocp
+import pytest
 
 import inshrink_jax as ij
 from inshrink_jax import store
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import sigkill_worker as worker  # noqa: E402
 
 
+@pytest.mark.slow  # 20 s; .ci/run runs it
 def test_reader_during_saves_and_retention(tmp_path):
     root = str(tmp_path / "ckpt")
     writer = worker.manager(root)

@@ -357,6 +357,7 @@ def test_config_rejects_unknown_policies():
         ij.CompressionConfig(moment_bins=128)
 
 
+@pytest.mark.slow  # 19 s; .ci/run runs it
 def test_moment_deltas_and_nnx_paths(tmp_path):
     from flax import nnx
 
