@@ -245,6 +245,87 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
     return out
 
 
+
+def error_sums(x, d, w, ref):
+    """(sum of w (x - d)^2, sum of w (x - ref)^2) over the finite elements of `x` (float32; `w` None for 1,
+    `ref` None for 0): the two sums of the search's data-free proxy (`search.proxy_degradation`), for one tensor
+    or a stack of them (inside a jitted kernel)."""
+    x32 = x.astype(jnp.float32)
+    fin = jnp.isfinite(x32)
+    w = 1.0 if w is None else jnp.square(w.astype(jnp.float32))
+    num = jnp.sum(jnp.where(fin, w * jnp.square(x32 - d.astype(jnp.float32)), 0.0))
+    r = x32 if ref is None else x32 - ref.astype(jnp.float32)
+    return num, jnp.sum(jnp.where(fin & jnp.isfinite(r), w * jnp.square(r), 0.0))
+
+
+@functools.partial(jax.jit, static_argnames=("kinds", "spec", "dtypes"))
+def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dtypes):
+    """The proxy's sums (`error_sums`) of closed-loop residual candidates on uniform cells, without protected or
+    pruned values (a residual space's candidates): what `encode_on_device` followed by `dequantize_all` gives,
+    scored as `search.proxy_degradation` scores it (weights 1 / M of a weighted residual), without their codes.
+    The partition and the histograms (the scatter passes) do not depend on the candidate and run once; the rest
+    is vmapped over the candidates (one pass over the values each; compiled once whatever their number).
+    `bins[t]` (int32, one per candidate) and `steps` (float32, one per candidate): each candidate's bin count of
+    group t and cell width. Returns (the numerators, one per candidate; the denominator)."""
+    nums = jnp.zeros(steps.shape, jnp.float32)
+    den = jnp.float32(0)
+    for t, kind in enumerate(kinds):
+        n = len(xs[t])
+        part = _partition(xs[t], [None] * n, offsets[t], factors[t], False, 0.0, 0.0, kind, spec, False)
+        rows = np.cumsum([0] + [len(b) for b in kind.buckets])
+        for k, (b, (x32, finite, _, _)) in enumerate(zip(kind.buckets, part.scored)):
+            x, off = stacked([xs[t][i] for i in b]), stacked([offsets[t][i] for i in b])
+            fs = None if factors[t][b[0]] is None else [stacked([factors[t][i][d] for i in b])
+                                                        for d in range(x.ndim - 1)]
+            w = None if fs is None else weighting.pow2(-weighting.exponents(fs))
+            den += error_sums(x, off, w, off)[1]
+            in_place = _in_place(part.values[k], ~finite, kind.out_dtypes[b[0]])
+            counts = part.counts[rows[k]:rows[k + 1]]
+
+            def candidate(nb, step):
+                centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, nb, step, kind.capacity))(counts)
+                centres = jnp.where(jnp.arange(kind.capacity) < nb, centres, 0.0)  # as `_level_codes`
+                code = jnp.where(finite, 1 + jax.vmap(lambda v, wd: uniform_cell(v, wd, nb))(x32, widths), nb + 1)
+                d = jax.vmap(lambda cd, ce, v, o, *f: _dequantize_one(cd, ce, v, nb, o, None, f or None,
+                                                                      dtypes[t][b[0]]))(
+                    code, centres, in_place, off, *(fs or ()))
+                return error_sums(x, d, w, off)[0]
+
+            nums += jax.vmap(candidate)(bins[t], steps)
+    return nums, den
+
+
+def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[QuantConfig],
+                            cfg: CompressionConfig) -> list[jax.Array]:
+    """Per candidate (`QuantConfig`s of uniform cells with nothing protected or pruned: a closed-loop residual
+    space's), the data-free proxy of its closed-loop residual save against `offsets` (the previous
+    reconstruction; `factors` as for `encode_on_device`): the value `search.proxy_degradation` gives the
+    candidate's `encode_on_device` and `dequantize_all`, up to the order of the float32 sums, computed without
+    encoding it (one pass per candidate over the tensors; the histograms once). One device scalar each."""
+    if any(q.step <= 0 or q.protect_fraction or q.prune_fraction or q.rate for q in quants):
+        raise ValueError("uniform_residual_scores takes uniform cells with nothing protected or pruned")
+    offsets = list(offsets)
+    factors = [None] * len(xs) if factors is None else list(factors)
+    idx, kinds, _ = _kinds_of(xs, [None] * len(xs), layer_types, quants[0], cfg, offsets, factors)
+    kinds = [k._replace(prunable=(False,) * len(k.prunable)) for k in kinds]  # nothing is pruned: no threshold
+    spec = sketch.SketchSpec(cfg.alpha)
+    sums = [_uniform_residual_sums(
+        [[xs[i] for i in idx[t]] for t in ts], [[offsets[i] for i in idx[t]] for t in ts],
+        [[factors[i] for i in idx[t]] for t in ts],
+        [np.array([q.bins_for(layer_types[idx[t][0]]) for q in quants], np.int32) for t in ts],
+        np.array([q.step for q in quants], np.float32),
+        kinds=tuple(kinds[t] for t in ts), spec=spec,
+        dtypes=tuple(tuple(jnp.dtype(xs[i].dtype) for i in idx[t]) for t in ts))
+        for ts in device_units([[xs[i] for i in ix] for ix in idx])]
+    if len(sums) == 1:  # the usual case: nothing waited for
+        nums, den = sums[0]
+    else:  # device sets of their own (pipeline parallelism): added on the host
+        nums = np.sum([np.asarray(n) for n, _ in sums], axis=0, dtype=np.float32)
+        den = np.float32(sum(float(d) for _, d in sums))
+    ratio = jnp.where(den > 0, nums / jnp.where(den > 0, den, 1.0), jnp.where(nums > 0, jnp.inf, 0.0))
+    return list(ratio)
+
+
 class _Partition(NamedTuple):
     """One layer type's tensors after the partition (inside `_encode`): per bucket the values encoded (x, or the
     residual x - offset) and their scores, protected and pruned masks; the histograms of the quantized values
@@ -547,6 +628,33 @@ def encode_on_device(
     if any(f is not None and offsets[i] is None for i, f in enumerate(factors)):
         raise ValueError("weighting factors apply to residuals only: a weighted tensor needs an offset")
     spec = sketch.SketchSpec(cfg.alpha)
+    idx, kinds, bins = _kinds_of(xs, gs, layer_types, quant, cfg, offsets, factors)
+    # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
+    # convolutions on one device and shard its dense layers). A host array goes wherever the others are.
+    out: list[DeviceCodes | None] = [None] * len(xs)
+    for ts in device_units([[xs[i] for i in ix] for ix in idx]):
+        results = _encode(
+            [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
+            [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
+            [np.int32(bins[t]) for t in ts],
+            np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
+            np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
+            [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
+            kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
+            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
+            protects=quant.protect_fraction > 0)
+        for t, per_bucket in zip(ts, results):
+            for b, stacks in zip(kinds[t].buckets, per_bucket):
+                for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
+                    i = idx[t][b[j]]
+                    out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i], factors=factors[i])
+    return out  # type: ignore[return-value]
+
+
+
+def _kinds_of(xs, gs, layer_types, quant: QuantConfig, cfg: CompressionConfig, offsets, factors):
+    """How `encode_on_device` groups the tensors for `_encode`: per group (the tensors of one layer type on one
+    device set), their indices, its `Kind` and its bin count."""
     # The tensors of one layer type share a prune threshold; a type whose tensors are on different device sets
     # (layers placed on different devices, as in pipeline parallelism) is split by device set, each part with a
     # threshold of its own: one jitted call takes arrays of one device set.
@@ -574,26 +682,7 @@ def encode_on_device(
         kinds.append(Kind(bs, prunable, out_dtypes, capacity, b if quant.rate > 0 else 0, kind == "embedding",
                           strides))
         bins.append(b)
-    # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
-    # convolutions on one device and shard its dense layers). A host array goes wherever the others are.
-    out: list[DeviceCodes | None] = [None] * len(xs)
-    for ts in device_units([[xs[i] for i in ix] for ix in idx]):
-        results = _encode(
-            [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
-            [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
-            [np.int32(bins[t]) for t in ts],
-            np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
-            np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
-            [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
-            kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
-            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
-            protects=quant.protect_fraction > 0)
-        for t, per_bucket in zip(ts, results):
-            for b, stacks in zip(kinds[t].buckets, per_bucket):
-                for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
-                    i = idx[t][b[j]]
-                    out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i], factors=factors[i])
-    return out  # type: ignore[return-value]
+    return idx, kinds, bins
 
 
 def map_by_device_set(f, xs: Sequence, *others: Sequence) -> list:

@@ -3,6 +3,7 @@ against the previous save's reconstruction; restores are bit-identical to that r
 across a restart, keep the error from growing over restores, and survive retention; broken chains are named
 errors."""
 
+import dataclasses
 import shutil
 
 import jax
@@ -12,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import cli, codec, config, records, restore, save, store
+from inshrink_jax import cli, codec, config, quantize, records, restore, save, store
 
 
 def manager(root, max_to_keep=None, **cfg):
@@ -451,6 +452,35 @@ def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configu
         assert fig["kind"] == "delta"
     restored = mngr.restore(2, args=ij.InshrinkRestore(states[2]))
     assert rms(restored["w"], states[2]["w"]) < 0.5 * rms(states[2]["w"], states[1]["w"])
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_a_residual_search_encodes_only_its_choice_and_records_what_it_restores_to(tmp_path, monkeypatch, large):
+    """Without eval_fn a large state's residual candidates (uniform cells; `search.SCORED_WITHOUT_ENCODING`
+    values or more, lowered here) are scored without encoding them (`quantize.uniform_residual_scores`): the
+    weights are encoded once, for the chosen configuration; a small state's are encoded per candidate. Either
+    way the recorded degradation is the data-free proxy of what step 1 restores to, against step 0's
+    reconstruction."""
+    if large:
+        monkeypatch.setattr(ij.search, "SCORED_WITHOUT_ENCODING", 1000)
+    states = list(walk(12, 2))
+    mngr = manager(tmp_path, search=True, quant=ij.QuantConfig())
+    mngr.save(0, args=ij.InshrinkSave(states[0]))
+    mngr.wait_until_finished()
+    encodes = []
+    real = quantize.encode_on_device
+    monkeypatch.setattr(quantize, "encode_on_device", lambda *a, **k: encodes.append(a[3]) or real(*a, **k))
+    mngr.save(1, args=ij.InshrinkSave(states[1]))
+    mngr.wait_until_finished()
+    rec = mngr.item_metadata(1)["search"]
+    assert rec["coding"] == "residual" and rec["candidates"] >= 3
+    assert len(encodes) == (1 if large else rec["candidates"])
+    assert rec["chosen"] in [dataclasses.asdict(q) for q in encodes]
+    before, after = mngr.restore(0), mngr.restore(1)
+    keys = ["w", "v", "b"]
+    proxy = ij.search.proxy_degradation([jnp.asarray(states[1][k]) for k in keys], [after[k] for k in keys],
+                                        [None] * len(keys), [before[k] for k in keys])
+    assert rec["degradation"] == pytest.approx(float(proxy), rel=1e-5)
 
 
 STRICT_FINER = 1.5  # an eval_fn scale at which 125 uniform cells of half the step meet epsilon, 63 do not

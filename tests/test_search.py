@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import inshrink_jax as ij
-from inshrink_jax import config, quantize, search
+from inshrink_jax import config, quantize, search, weighting
 from inshrink_jax.config import QuantConfig, SearchSpace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -171,6 +171,49 @@ def test_proxy_is_zero_for_exact_values_and_weights_by_gradient():
     d = [jnp.zeros((4, 4)), x[1]]
     assert float(search.proxy_degradation(x, d, [None, None])) == pytest.approx(16 / (16 + 64))
     assert float(search.proxy_degradation(x, d, [jnp.zeros((4, 4)), jnp.ones((4, 4))])) == 0.0
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_residual_candidates_are_scored_without_encoding_as_their_encoding_scores(weighted):
+    """`quantize.uniform_residual_scores` (the residual search's scores: the histograms once, one pass per
+    candidate, no codes) equals `proxy_degradation` of each candidate's encode + dequantize, up to the order of the
+    float32 sums: several layer types and shapes, an embedding table with its own bins, a non-finite weight, a
+    bfloat16 tensor, a tensor sharded over two devices, a weighted residual (factors from a second moment whose
+    rows and columns differ by orders of magnitude)."""
+    rng = np.random.default_rng(0)
+    shapes = [(64, 32), (64, 32), (100,), (300, 20), (96, 40), (128, 16)]
+    lts = ["dense", "dense", "other", "embedding", "dense", "dense"]
+    xs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes[:5]]
+    xs.append(jnp.asarray(rng.standard_normal(shapes[5]) * 0.02, jnp.bfloat16))
+    offs = [x + jnp.asarray(rng.standard_normal(x.shape) * 1e-3, x.dtype) for x in xs]
+    xs[0] = xs[0].at[3, 4].set(jnp.inf)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    xs[4], offs[4] = jax.device_put(xs[4], sh), jax.device_put(offs[4], sh)
+    factors = None
+    if weighted:
+        nus = [jnp.asarray(10.0 ** rng.uniform(-9, -3, (s[0], 1)) * 10.0 ** rng.uniform(-2, 2, (1, s[1])),
+                           jnp.float32) for s in (shapes[0], shapes[1], shapes[3])]
+        fs = weighting.factors(nus)
+        factors = [tuple(fs[0]), tuple(fs[1]), None, tuple(fs[2]), None, None]
+    quants = [QuantConfig(bins=63, embedding_bins=63, protect_fraction=0.0, prune_fraction=0.0, step=s)
+              for s in (1.0, 1.5, 4.0)] + [QuantConfig(bins=31, embedding_bins=125, protect_fraction=0.0,
+                                                       prune_fraction=0.0, step=0.5)]
+    cfg = ij.CompressionConfig()
+    fast = quantize.uniform_residual_scores(xs, offs, factors, lts, quants, cfg)
+    weights = [None] * len(xs) if factors is None else \
+        quantize.map_by_device_set(weighting.inverse_multipliers, factors)
+    seen = set()
+    for q, f in zip(quants, fast):
+        devs = quantize.encode_on_device(xs, [None] * len(xs), lts, q, cfg, offsets=offs,
+                                         sigma=quantize.RESIDUAL_SIGMA, factors=factors)
+        slow = float(search.proxy_degradation(xs, quantize.dequantize_all(devs, [x.dtype for x in xs]), weights,
+                                              offs))
+        assert 0 < slow < 2 and float(f) == pytest.approx(slow, rel=1e-5)
+        seen.add(round(slow, 6))
+    assert len(seen) == len(quants)  # the candidates differ
+    with pytest.raises(ValueError, match="nothing protected or pruned"):
+        quantize.uniform_residual_scores(xs, offs, factors, lts, [QuantConfig(step=1.0, protect_fraction=0.01)], cfg)
 
 
 # ------------------------------------------------------------------------------------- through the handler
