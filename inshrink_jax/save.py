@@ -65,8 +65,9 @@ class ItemState:
       recon: closed loop: leaf key path -> the parameter as a restore of `object_id` gives it, on the device(s)
         with the leaf's sharding: what the next save's residuals are taken against.
       depth: closed loop: links of `object_id`'s chain after its keyframe (0: it is a keyframe).
-    (A closed-loop residual save searches afresh every time: its proxy needs no eval_fn call, and the
-    residual's statistics change from save to save.)
+      residual_quant: the last closed-loop residual save's choice, None before the first: where the next
+        residual save's search starts (`search.search`'s `start`; it searches the whole space, but its first
+        round settles it when the choice moved by at most one step).
     """
 
     object_id: str | None = None
@@ -74,10 +75,11 @@ class ItemState:
     quant: QuantConfig | str | None = None
     recon: Mapping = dataclasses.field(default_factory=dict)
     depth: int = 0
+    residual_quant: QuantConfig | None = None
 
     def choices(self) -> "ItemState":
-        """Only the search's choice (a state without anything to build on: the next save is a keyframe)."""
-        return ItemState(quant=self.quant)
+        """Only the search's choices (a state without anything to build on: the next save is a keyframe)."""
+        return ItemState(quant=self.quant, residual_quant=self.residual_quant)
 
 
 def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
@@ -91,9 +93,11 @@ def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
     if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed", search.UNMEASURED) and "chosen" in rec:
         chosen = rec["chosen"]
         quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
+    residual_quant = None
     if isinstance(rec, dict) and rec.get("coding") == RESIDUAL:
+        residual_quant = quant if isinstance(quant, QuantConfig) else None
         quant = None  # the keyframes' search starts afresh
-    return ItemState(reader.object_id, codes, quant, dict(recon), reader.chain_depth)
+    return ItemState(reader.object_id, codes, quant, dict(recon), reader.chain_depth, residual_quant)
 
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -386,7 +390,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     small = p.small if closed else []  # exact at a closed-loop keyframe: the first link of their chains
     xs = [p.leaves[i] for i in p.weights]
     layer_types = [p.records[i].layer_type for i in p.weights]
-    previous = None if residual else chain.quant
+    previous = chain.residual_quant if residual else chain.quant
     quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors)
     if closed and isinstance(search_record, dict):
         search_record["coding"] = RESIDUAL if residual else KEYFRAME
@@ -437,6 +441,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
                                 "quantized leaves" if p.grads_given else "magnitude (no grads given)")}
     new_recon = new_recon + [jnp.copy(p.leaves[i]) for i in small]
     after = dict(quant=chain.quant if residual else choice,
+                 residual_quant=choice if residual and isinstance(choice, QuantConfig) else chain.residual_quant,
                  recon={p.records[i].keystr: r for i, r in zip(p.weights + small, new_recon)},
                  depth=chain.depth + 1 if residual else 0)
     return Dispatched(recs, quantized, devs, shards, manifest, started, time.perf_counter() - started,

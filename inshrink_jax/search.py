@@ -319,6 +319,7 @@ def search(
     estimate: Callable[[tuple], float],
     previous: QuantConfig | str | None,
     switch_margin: float = 0.2,
+    start: QuantConfig | None = None,
 ) -> Outcome:
     """Choose the configuration of one save (see the module docstring).
 
@@ -331,6 +332,10 @@ def search(
       previous: the previous save's configuration, LOSSLESS, or None (first save / no usable previous).
       switch_margin: the previous configuration switches prune metric when the other metric's degradation is
         lower by more than `switch_margin * epsilon`.
+      start: where an exhaustive search starts (a closed-loop residual save: the previous residual save's
+        choice), with `previous` None: the first round evaluates it and its neighbours one step along each
+        axis, so that when the choice has not moved by more than a step, that round settles the search; the
+        outcome is the exhaustive search's.
     """
     ev = _Evaluations(cube, evaluate, epsilon, batch, estimate)
     mode = "exhaustive"
@@ -342,6 +347,11 @@ def search(
             return ev.outcome("lossless")
         previous, mode = None, "recovered"
     if previous is None:
+        if start is not None:
+            p = cube.point(start)
+            near = {p} | {tuple(min(max(i + (j == axis) * d, 0), t) for j, (i, t) in enumerate(zip(p, cube.top)))
+                          for axis in range(len(p)) for d in (-1, 1)}
+            ev.run([(metrics[0], q) for q in sorted(near)])
         for metric in metrics:
             _exhaustive(ev, metric, tuple(0 for _ in cube.values))
         return ev.outcome(mode)
@@ -588,8 +598,9 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         outcome = Outcome(None, 0.0, UNMEASURED)
     else:
         outcome = search(evaluator, cube, metrics, budget, cfg.search_batch,
-                         lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits), previous,
-                         cfg.metric_switch_margin)
+                         lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits),
+                         None if residual else previous, cfg.metric_switch_margin,
+                         start=previous if residual and isinstance(previous, QuantConfig) else None)
         top = cube.config(cube.top, metrics[0])  # the space's least aggressive configuration
         if residual and outcome.quant is None:
             # Nothing met residual_budget: the least aggressive residual configuration, never lossless (its

@@ -476,6 +476,9 @@ def test_a_residual_search_encodes_only_its_choice_and_records_what_it_restores_
     assert rec["coding"] == "residual" and rec["candidates"] >= 3
     assert len(encodes) == (1 if large else rec["candidates"])
     assert rec["chosen"] in [dataclasses.asdict(q) for q in encodes]
+    # A resumed job's next residual search starts from this choice; the keyframes' search starts afresh.
+    resumed = save.state_of_restore(store.Reader(tmp_path / "1" / "default"), {})
+    assert dataclasses.asdict(resumed.residual_quant) == rec["chosen"] and resumed.quant is None
     before, after = mngr.restore(0), mngr.restore(1)
     keys = ["w", "v", "b"]
     proxy = ij.search.proxy_degradation([jnp.asarray(states[1][k]) for k in keys], [after[k] for k in keys],

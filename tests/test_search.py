@@ -80,6 +80,38 @@ def test_exhaustive_search_finds_the_best_feasible_configuration(weights, frac, 
     assert all(len(c) <= batch for c in calls) and out.rounds == len(calls)
 
 
+STEP_CUBE = search.Cube.build(config.RESIDUAL_SPACE, False, QuantConfig(), residual=True)
+
+
+@given(st.integers(0, 7), st.integers(-1, 8), st.sampled_from([1, 3, 4]))
+def test_a_search_started_from_the_previous_residual_choice_ends_where_a_fresh_one_does(start, edge, batch):
+    """`search(..., start=)` (a residual save starts from the previous one's choice): the same outcome as the
+    search without it, over the default residual space's steps, wherever the feasible steps end (`edge`: the
+    widest feasible index from the least aggressive end, -1 none); one round when the start is the answer and a
+    round holds its neighbours."""
+    n = len(STEP_CUBE.values[STEP_CUBE.names.index("step")])
+    axis = STEP_CUBE.names.index("step")
+
+    def est(p):
+        return search.estimated_ratio(STEP_CUBE.config(p, "magnitude"), {"dense": 1000}, {"dense": 32})
+
+    def quality(calls):
+        def evaluate(quants):
+            calls.append(list(quants))
+            return [(0.0 if STEP_CUBE.point(q)[axis] >= n - 1 - edge else 1.0, q) for q in quants]
+        return evaluate
+
+    fresh_calls, warm_calls = [], []
+    fresh = search.search(quality(fresh_calls), STEP_CUBE, ["magnitude"], EPS, batch, est, None)
+    begin = STEP_CUBE.config(tuple(start if a == axis else t for a, t in enumerate(STEP_CUBE.top)), "magnitude")
+    warm = search.search(quality(warm_calls), STEP_CUBE, ["magnitude"], EPS, batch, est, None, start=begin)
+    assert warm.quant == fresh.quant and warm.mode == fresh.mode == "exhaustive"
+    evaluated = [q for c in warm_calls for q in c]
+    assert len(evaluated) == len(set(evaluated)) == warm.evaluations
+    if edge >= 0 and start == n - 1 - edge and batch >= 3:
+        assert warm.rounds == 1
+
+
 def test_exhaustive_search_runs_once_per_prune_metric_and_keeps_the_better():
     # The sensitivity metric reaches feasibility two index steps earlier: it must win.
     evaluate, calls = linear_quality((1.0, 1.0, 1.0), 8.0, offsets={"sensitivity": 2.0})
