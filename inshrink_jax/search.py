@@ -593,14 +593,22 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True,
                         factors=factors) \
         if residual and eval_fn is not None else evaluator
-    proxy = None
+    proxy = sampled = None
     if eval_fn is not None and not math.isfinite(checker.measure_baseline()):
         outcome = Outcome(None, 0.0, UNMEASURED)
     else:
-        outcome = search(evaluator, cube, metrics, budget, cfg.search_batch,
-                         lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits),
-                         None if residual else previous, cfg.metric_switch_margin,
-                         start=previous if residual and isinstance(previous, QuantConfig) else None)
+        def run_search(ev: Evaluator, start: QuantConfig | None) -> Outcome:
+            return search(ev, cube, metrics, budget, cfg.search_batch,
+                          lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits),
+                          None if residual else previous, cfg.metric_switch_margin, start=start)
+
+        start = previous if residual and isinstance(previous, QuantConfig) else None
+        sampled = None if residual or eval_fn is not None or previous is not None else \
+            _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe)
+        if sampled is None:
+            outcome = run_search(evaluator, start)
+        else:  # a large state's first search: on row samples, then the choice measured whole
+            outcome = _measured_whole(evaluator, run_search(sampled, None), budget, run_search)
         top = cube.config(cube.top, metrics[0])  # the space's least aggressive configuration
         if residual and outcome.quant is None:
             # Nothing met residual_budget: the least aggressive residual configuration, never lossless (its
@@ -638,7 +646,59 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     if proxy is not None:
         record["proxy"] = proxy
         record["epsilon"] = cfg.epsilon
+    if sampled is not None:
+        record["sampled"] = (f"candidates measured on row samples of the tensors of more than {SEARCH_SAMPLE:,} "
+                             "values, the choice on the whole state")
     return outcome, record
+
+
+# A search without eval_fn and without a previous choice (a first keyframe) over a state of at least
+# `SCORED_WITHOUT_ENCODING` values evaluates its candidates on row samples of the tensors of more than
+# `SEARCH_SAMPLE` values (`_sampled_evaluator`): at 100M parameters each of the ~40 candidates of an exhaustive
+# search is an encode of the whole state (about 2 s on 2 CPU cores); the proxy is a ratio of sums over elements,
+# which about a million values a tensor estimate within a fraction of a percent.
+SEARCH_SAMPLE = 1 << 20
+
+
+def _row_sample(x: jax.Array | None) -> jax.Array | None:
+    """Every k-th row (leading index) of `x`, k the smallest that leaves at most about `SEARCH_SAMPLE` values;
+    `x` itself when it has no more."""
+    if x is None or x.ndim == 0 or x.size <= SEARCH_SAMPLE:
+        return x
+    per_row = x.size // x.shape[0]
+    k = -(-x.shape[0] // max(1, SEARCH_SAMPLE // max(per_row, 1)))
+    return x[::k]
+
+
+def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe) -> "Evaluator | None":
+    """An `Evaluator` (data-free proxy) of the same leaves with the large tensors row-sampled (`_row_sample`,
+    their gradients and offsets alike), or None where the state is below `SCORED_WITHOUT_ENCODING` values or
+    has no tensor to sample."""
+    xs = [leaves[i] for i in quant_idx]
+    if sum(int(np.prod(x.shape)) for x in xs) < SCORED_WITHOUT_ENCODING or \
+            all(int(np.prod(x.shape)) <= SEARCH_SAMPLE for x in xs):
+        return None
+    small = list(leaves)
+    for i in quant_idx:
+        small[i] = _row_sample(leaves[i])
+    offs = None if offsets is None else [_row_sample(o) for o in offsets]
+    return Evaluator(small, treedef, quant_idx, [_row_sample(g) for g in gs], layer_types, cfg, None, offsets=offs,
+                     keyframe_floor=keyframe)
+
+
+def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search) -> Outcome:
+    """The sampled search's choice encoded and measured on the whole state (the outcome carries that
+    measurement and encoding); when the whole state's proxy exceeds `budget` after all, the exact search runs,
+    starting from that choice (`search`'s `start`). Nothing feasible on the samples: the exact search decides."""
+    if sampled.quant is None:
+        return run_search(evaluator, None)
+    [(d, payload)] = evaluator([sampled.quant])
+    if d <= budget:
+        return dataclasses.replace(sampled, degradation=d, evaluations=sampled.evaluations + 1,
+                                   rounds=sampled.rounds + 1, payload=payload)
+    exact = run_search(evaluator, sampled.quant)
+    return dataclasses.replace(exact, evaluations=exact.evaluations + sampled.evaluations + 1,
+                               rounds=exact.rounds + sampled.rounds + 1)
 
 
 def _guard(checker: "Evaluator", outcome: Outcome, top: QuantConfig, epsilon: float, capacity: int) -> Outcome:

@@ -515,6 +515,38 @@ def test_a_closed_loop_keyframe_meets_the_data_free_bound_whatever_the_eval_fn_a
     assert ij.CompressionConfig().effective_proxy_budget < float(error(loose)) <= 0.05
 
 
+@pytest.mark.parametrize("misleading", [False, True])
+def test_a_large_states_first_search_runs_on_row_samples_and_measures_its_choice_whole(tmp_path, monkeypatch,
+                                                                                      misleading):
+    """A first keyframe without eval_fn over a large state (constants lowered here) searches on row samples of
+    its large tensors: only the chosen configuration is encoded whole, and the recorded degradation is the
+    proxy of what the step restores to, within the budget. A sample that misleads (here: all zeros, which any
+    configuration quantizes exactly) leads to the exact search, started from the sample's choice."""
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1000)
+    monkeypatch.setattr(search, "SEARCH_SAMPLE", 20_000)
+    if misleading:
+        monkeypatch.setattr(search, "_row_sample", lambda x: None if x is None else jnp.zeros_like(x[:100]))
+    w = jnp.asarray(np.random.default_rng(3).standard_t(3, (3000, 64)).astype(np.float32) * 0.02)
+    state = {"w": w, "b": jnp.zeros(64)}
+    shapes = []
+    real = quantize.encode_on_device
+    monkeypatch.setattr(quantize, "encode_on_device",
+                        lambda xs, *a, **k: shapes.append(tuple(xs[0].shape)) or real(xs, *a, **k))
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()))
+    mngr.save(0, args=ij.InshrinkSave(state))
+    mngr.wait_until_finished()
+    rec = mngr.item_metadata(0)["search"]
+    assert "row samples" in rec["sampled"] and rec["mode"] == "exhaustive"
+    whole = [s for s in shapes if s == w.shape]
+    assert len(whole) == (1 if not misleading else len(whole)) and len(whole) < len(shapes) and whole
+    if misleading:
+        assert len(whole) > 1  # the exact search ran
+    restored = mngr.restore(0)["w"]
+    proxy = float(search.proxy_degradation([w], [restored], [None]))
+    assert rec["degradation"] == pytest.approx(proxy, rel=1e-5)
+    assert proxy <= ij.CompressionConfig().effective_proxy_budget
+
+
 def test_a_keyframe_that_no_configuration_of_the_space_holds_takes_a_fine_uniform_quantizer(tmp_path):
     """Nothing in the paper's space (32 levels at most) meets the budget, the fine uniform quantizer does: the
     keyframe is stored at 254 cells of 1/20 of each tensor's RMS (the 1/8 cells measured over budget), not
