@@ -672,11 +672,12 @@ def _row_sample(x: jax.Array | None) -> jax.Array | None:
 
 def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe) -> "Evaluator | None":
     """An `Evaluator` (data-free proxy) of the same leaves with the large tensors row-sampled (`_row_sample`,
-    their gradients and offsets alike), or None where the state is below `SCORED_WITHOUT_ENCODING` values or
-    has no tensor to sample."""
+    their gradients and offsets alike), or None where the state is below `SCORED_WITHOUT_ENCODING` values, has
+    no tensor to sample, or spans several processes (whose searches must agree: the exact search there)."""
     xs = [leaves[i] for i in quant_idx]
     if sum(int(np.prod(x.shape)) for x in xs) < SCORED_WITHOUT_ENCODING or \
-            all(int(np.prod(x.shape)) <= SEARCH_SAMPLE for x in xs):
+            all(int(np.prod(x.shape)) <= SEARCH_SAMPLE for x in xs) or \
+            not all(getattr(x, "is_fully_addressable", True) for x in xs):
         return None
     small = list(leaves)
     for i in quant_idx:
