@@ -651,7 +651,6 @@ def encode_on_device(
     return out  # type: ignore[return-value]
 
 
-
 def _kinds_of(xs, gs, layer_types, quant: QuantConfig, cfg: CompressionConfig, offsets, factors):
     """How `encode_on_device` groups the tensors for `_encode`: per group (the tensors of one layer type on one
     device set), their indices, its `Kind` and its bin count."""
