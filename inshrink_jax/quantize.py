@@ -245,7 +245,6 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
     return out
 
 
-
 def error_sums(x, d, w, ref):
     """(sum of w (x - d)^2, sum of w (x - ref)^2) over the finite elements of `x` (float32; `w` None for 1,
     `ref` None for 0): the two sums of the search's data-free proxy (`search.proxy_degradation`), for one tensor
@@ -296,12 +295,13 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
 
 
 def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[QuantConfig],
-                            cfg: CompressionConfig) -> list[jax.Array]:
+                            cfg: CompressionConfig) -> jax.Array:
     """Per candidate (`QuantConfig`s of uniform cells with nothing protected or pruned: a closed-loop residual
     space's), the data-free proxy of its closed-loop residual save against `offsets` (the previous
     reconstruction; `factors` as for `encode_on_device`): the value `search.proxy_degradation` gives the
     candidate's `encode_on_device` and `dequantize_all`, up to the order of the float32 sums, computed without
-    encoding it (one pass per candidate over the tensors; the histograms once). One device scalar each."""
+    encoding it (one pass per candidate over the tensors; the histograms once). One float32 array, a value per
+    candidate."""
     if any(q.step <= 0 or q.protect_fraction or q.prune_fraction or q.rate for q in quants):
         raise ValueError("uniform_residual_scores takes uniform cells with nothing protected or pruned")
     offsets = list(offsets)
@@ -322,8 +322,7 @@ def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[
     else:  # device sets of their own (pipeline parallelism): added on the host
         nums = np.sum([np.asarray(n) for n, _ in sums], axis=0, dtype=np.float32)
         den = np.float32(sum(float(d) for _, d in sums))
-    ratio = jnp.where(den > 0, nums / jnp.where(den > 0, den, 1.0), jnp.where(nums > 0, jnp.inf, 0.0))
-    return list(ratio)
+    return jnp.where(den > 0, nums / jnp.where(den > 0, den, 1.0), jnp.where(nums > 0, jnp.inf, 0.0))
 
 
 class _Partition(NamedTuple):

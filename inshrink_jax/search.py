@@ -413,9 +413,9 @@ def proxy_degradation(xs, dequantized, gs, references=None):
 
 # Residual states of at least this many values score their uniform-cell candidates without encoding them
 # (`Evaluator._uniform_residuals`). Below it the encodes are cheap and the scoring kernel's compile, once per
-# process and state structure, costs more than they do: 3.4 s for the 440k-parameter character transformer,
-# whose four candidates' encodes take 0.03 s a save; a 10M-parameter state's take 0.35 s a save more than
-# its scoring.
+# process and state structure, costs more than they do (ad-hoc timings): 3.4 s for the 440k-parameter
+# character transformer, whose four candidates' encodes take 0.03 s a save; a 10M-parameter state's take
+# 0.35 s a save more than its scoring.
 SCORED_WITHOUT_ENCODING = 1 << 22
 
 
@@ -524,7 +524,7 @@ class Evaluator:
         padded = list(quants) + [quants[-1]] * (self.cfg.search_batch - len(quants))
         scores = quantize.uniform_residual_scores(self.xs, self.offsets, self.factors, self.layer_types, padded,
                                                   self.cfg)
-        return [(float(s), None) for s in scores[:len(quants)]]
+        return [(float(s), None) for s in np.asarray(scores)[:len(quants)]]  # one transfer for the round
 
     def trusted(self, d: float, proxy) -> float:
         """A candidate's degradation as the search takes it: the eval_fn's `d`, unless the data-free proxy
