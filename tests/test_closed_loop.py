@@ -431,11 +431,12 @@ def test_entropy_constrained_configurations_are_checked():
 
 @pytest.mark.parametrize("space", ["RESIDUAL_SPACE", pytest.param("KMEANS_RESIDUAL_SPACE", marks=pytest.mark.slow),
                                    "ENTROPY_RESIDUAL_SPACE"])
-def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configuration(tmp_path, space):
-    """residual_budget=0 (only an exact residual would meet it): every residual save takes the least aggressive
-    configuration of its space (mode "least aggressive"), stays a compressed link of the chain, and restores
-    within half of one interval's change; with the k-means and entropy-constrained spaces too."""
-    space = getattr(config, space)
+def test_a_residual_save_that_meets_no_budget_takes_the_finest_levels(tmp_path, space):
+    """residual_budget=0 (only an exact residual would meet it): every residual save takes the finest levels it
+    may (mode "least aggressive"): four times those of its space's least aggressive configuration (63 cells of
+    1 RMS -> 249 of 0.25 RMS; 8 k-means levels -> 32; entropy-constrained levels at 1/16 the rate), stays a
+    compressed link of the chain, and restores within half of one interval's change."""
+    space_name, space = space, getattr(config, space)
     states = list(walk(11, 3))
     mngr = manager(tmp_path, search=True, quant=ij.QuantConfig(), residual_budget=0.0, residual_space=space)
     for i, s in enumerate(states):
@@ -443,15 +444,44 @@ def test_a_residual_save_that_meets_no_budget_takes_the_least_aggressive_configu
     mngr.wait_until_finished()
     cube = ij.search.Cube.build(space, False, ij.QuantConfig())
     top = cube.config(cube.top, "magnitude")
+    expected = {"RESIDUAL_SPACE": (249, 0.0, 0.25, 0.0), "KMEANS_RESIDUAL_SPACE": (32, 0.0, 0.0, 0.0),
+                "ENTROPY_RESIDUAL_SPACE": (top.bins, 0.0, 0.0, top.rate / 16)}[space_name]
     for i in (1, 2):
         fig = mngr.item_metadata(i)
         assert fig["search"]["coding"] == "residual" and fig["search"]["mode"] == "least aggressive"
         q = fig["quant"]
-        assert (q["bins"], q["prune_fraction"], q["step"], q["rate"]) == (top.bins, top.prune_fraction, top.step,
-                                                                           top.rate)
+        assert (q["bins"], q["prune_fraction"], q["step"], q["rate"]) == pytest.approx(expected)
         assert fig["kind"] == "delta"
     restored = mngr.restore(2, args=ij.InshrinkRestore(states[2]))
     assert rms(restored["w"], states[2]["w"]) < 0.5 * rms(states[2]["w"], states[1]["w"])
+
+
+def test_a_tight_epsilon_gets_finer_residual_cells_than_the_space_holds(tmp_path):
+    """epsilon 0.002 asks residual saves for 0.04 of the residual's squared error (`RESIDUAL_PER_EPSILON`), which
+    the space's finest cells (1 RMS, about 0.08) do not give: the saves take 125 cells of 0.5 RMS (mode "finer"),
+    record a proxy within that budget, and write more bytes than at epsilon 0.005 (budget 0.1, met by cells of
+    1 RMS inside the space): the knob keeps steering past the space's end."""
+    states = list(walk(13, 3))
+    written, errors = {}, {}
+    for eps in (0.002, 0.005):
+        mngr = manager(tmp_path / str(eps), search=True, quant=ij.QuantConfig(), epsilon=eps)
+        for i, s in enumerate(states):
+            mngr.save(i, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+        recs = [mngr.item_metadata(i)["search"] for i in (1, 2)]
+        quants = [mngr.item_metadata(i)["quant"] for i in (1, 2)]
+        budget = 20 * eps
+        assert all(r["coding"] == "residual" and r["budget"] == pytest.approx(budget) for r in recs)
+        assert all(r["degradation"] <= budget for r in recs)
+        if eps == 0.002:
+            assert [r["mode"] for r in recs] == ["finer", "finer"]
+            assert [(q["bins"], q["step"]) for q in quants] == [(125, 0.5), (125, 0.5)]
+        else:
+            assert all(r["mode"] != "finer" for r in recs) and all(q["step"] >= 1.0 for q in quants)
+        written[eps] = sum(mngr.item_metadata(i)["stored_bytes"]["params"] for i in (1, 2))
+        restored = mngr.restore(2, args=ij.InshrinkRestore(states[2]))
+        errors[eps] = rms(restored["w"], states[2]["w"])
+    assert written[0.002] > 1.3 * written[0.005] and errors[0.002] < 0.75 * errors[0.005]
 
 
 @pytest.mark.parametrize("large", [True, False])

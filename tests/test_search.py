@@ -3,6 +3,7 @@ real model (digits CNN) with a real eval_fn."""
 
 import dataclasses
 import itertools
+import math
 import warnings
 import os
 import sys
@@ -658,3 +659,49 @@ def test_the_residual_cube_orders_quality_along_the_levels_only():
                                                        "protect_fraction": True, "embedding_bins": True}
     assert all(search.Cube.build(SearchSpace(), True, QuantConfig()).ordered)
     assert RESIDUAL_CUBE.below((0, 1, 0, 0), top[:1] + (1, 0, 0)) and not RESIDUAL_CUBE.below((0, 1, 0, 0), top)
+
+
+@pytest.mark.parametrize("n", range(0, 13))
+def test_bisection_finds_the_most_aggressive_rung_within_the_budget(n):
+    """`search._first_within` over a ladder of n rungs whose quality rises along it, for every boundary (the
+    first rung within the budget; n: none): it returns that rung (None when there is none) after at most
+    ceil(log2(n + 1)) measurements, keeping the payload of the returned rung only (of the least degradation
+    measured when none is within)."""
+    for boundary in range(n + 1):
+        calls = []
+
+        def measure(q):
+            calls.append(q)
+            return (0.5 if q >= boundary else 2.0 + q * 0.1 if q % 2 else 2.0 - q * 0.01), f"payload {q}"
+
+        found, measured = search._first_within(measure, list(range(n)), 1.0)
+        assert found == (boundary if boundary < n else None)
+        assert len(calls) == len(set(calls)) <= math.ceil(math.log2(n + 1))
+        kept = {i for i, (_, p) in measured.items() if p is not None}
+        if found is not None:
+            assert kept == {found} and measured[found] == (0.5, f"payload {found}")
+        elif n:
+            assert kept == {min(measured, key=lambda i: measured[i][0])}
+
+
+@pytest.mark.parametrize("passes_from, expected", [(2.0, 2.0), (3.0, 3.0), (1.0, 1.0), (0.5, 0.5), (0.1, 0.25)])
+def test_the_guard_takes_the_most_aggressive_residual_cells_the_eval_fn_accepts(passes_from, expected):
+    """A residual save's choice (cells of 4 RMS) that the eval_fn reads over epsilon: the guard takes the widest
+    cells it reads within epsilon, the space's (3 to 1 RMS) or finer ones beyond it (0.5, 0.25), not the
+    space's least aggressive configuration; where nothing is within, the best measured (here the finest)."""
+    cube = search.Cube.build(config.RESIDUAL_SPACE, False, QuantConfig(), residual=True)
+    choice = cube.config((0,) * len(cube.names), "magnitude")
+    assert choice.step == 4.0
+    seen = []
+
+    def checker(qs):
+        [q] = qs
+        seen.append(q.step)
+        return [((0.005 if q.step <= passes_from else 0.02 + q.step / 100), q.step)]
+
+    out = search._guard(checker, search.Outcome(choice, 0.001, "neighbourhood", 3, 1), cube, "magnitude", 0.01,
+                        config.CompressionConfig().bins_capacity)
+    assert out.quant.step == expected and out.payload == expected and out.mode == "guarded"
+    assert out.evaluations == 3 + len(seen) and len(seen) <= 1 + math.ceil(math.log2(10))
+    if expected != 0.25 or passes_from >= 0.25:
+        assert out.degradation == 0.005
