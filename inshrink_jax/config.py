@@ -216,8 +216,11 @@ class CompressionConfig:
         The error a save leaves is carried
         into the next one's residual, so in steady state it is about sqrt(b) / (1 - sqrt(b)) times one
         interval's change of the weights: the knob of the residual saves' size (smaller: narrower cells, or
-        more levels or less pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`. When no configuration meets it,
-        the least aggressive one is taken: a residual save is never lossless. In [0, 1]; None (the default):
+        more levels or less pruning, more bytes). With an eval_fn the choice is also checked against `epsilon`
+        (over it: the widest less aggressive cells the eval_fn reads within it, `search._guard`). When nothing
+        in `residual_space` meets it, levels two and four times finer than its least aggressive configuration
+        are tried, the first within it taken, else the finest: a residual save is never lossless. In [0, 1];
+        None (the default):
         `RESIDUAL_PER_EPSILON` (20) times `epsilon`, at most 1 (0.2 at the default epsilon).
       weighted_residuals: a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
         moment of its shape in the state (Adam's `nu`) is coded as r / M with M about nu^(-1/4), stored as one

@@ -259,6 +259,15 @@ def test_an_escape_stream_with_a_bad_header_is_refused():
     short = blob[:ranked_end] + codec.compress(np.zeros(3, np.uint8), codec.ZSTD)
     with pytest.raises(codec.CodecError, match="3 other values for 140 escapes"):
         codec.decompress(short, codec.ZSTD_ESCAPE, a.size)
+    none = blob[:ranked_end] + codec.compress(np.zeros(0, np.uint8), codec.ZSTD)
+    with pytest.raises(codec.CodecError, match="0 other values for some escapes"):
+        codec.decompress(none, codec.ZSTD_ESCAPE, a.size)
+    kept = np.arange(a.size, dtype=np.uint8) % 5  # five values: no escapes
+    plain = codec.compress(kept, codec.ZSTD_ESCAPE)
+    assert np.array_equal(np.frombuffer(codec.decompress(plain, codec.ZSTD_ESCAPE, a.size), np.uint8), kept)
+    end = 14 + int(np.frombuffer(plain[6:14], "<u8")[0])
+    with pytest.raises(codec.CodecError, match="3 other values for 0 escapes"):
+        codec.decompress(plain[:end] + codec.compress(np.ones(3, np.uint8), codec.ZSTD), codec.ZSTD_ESCAPE, a.size)
 
 
 def test_escape_is_not_tried_on_near_uniform_levels():
