@@ -449,37 +449,37 @@ def _radix_packed(blob: bytes, size: int) -> tuple[np.ndarray, int]:
 
 def _unpack(packed: np.ndarray, base: int, size: int, alphabet: bytes) -> np.ndarray:
     """`_digits` of checked packed bytes, each replaced by alphabet[digit], into a fresh 64-byte aligned array
-    (`aligned_empty`: a restore hands it to a kernel without a copy): one lookup per packed byte in a table
-    whose items hold all its values at once (`_digit_table`), as unsigned integers of 1, 2, 4 or 8 bytes
-    (np.take on those is a word copy per byte; on 3- or 5-byte void items it was 4x slower). Where a byte holds
-    3 or 5 values the looked-up words carry padding bytes, dropped by one strided byte copy per digit (NumPy
-    copies 3-byte rows out of 4-byte ones one row at a time, 6x slower)."""
+    (`aligned_empty`: a restore hands it to a kernel without a copy): one lookup per packed byte in a table whose
+    items hold all its values at once (`_digit_table`). Items of 1, 2, 4 or 8 bytes are words, looked up with
+    np.take straight into the output; 3 values to a byte (bases 5 and 6) are looked up as 4-byte words whose
+    padding one strided byte copy per value drops; 5 (base 3) as 5-byte items. Each the fastest of those
+    measured for its case (a restore's residual streams decoded 2x faster than with 3-byte items throughout)."""
     per, table = _radix_digits(base), _digit_table(base, alphabet)
     out = aligned_empty(packed.size * per)
-    if table.itemsize == per:  # the words are the values: looked up straight into the output
-        np.take(table, packed, out=out.view(table.dtype))
-    else:
+    if per == 3:
         grid = out.reshape(packed.size, per)
-        wide = np.take(table, packed).view(np.uint8).reshape(packed.size, table.itemsize)
+        wide = np.take(table, packed, mode="clip").view(np.uint8).reshape(packed.size, table.itemsize)
         for j in range(per):
             grid[:, j] = wide[:, j]
+    else:  # "raise" (the default mode) would buffer `out`; a uint8 index is within the 256 entries anyway
+        np.take(table, packed, out=out.view(table.dtype), mode="clip")
     return out[:size]
 
 
 @functools.lru_cache(maxsize=256)
 def _digit_table(base: int, alphabet: bytes) -> np.ndarray:
     """For each byte b < base ** per (per = `_radix_digits(base)`), its per digits in base `base`, least
-    significant first, each replaced by alphabet[digit], as one unsigned integer of the smallest of 1, 2, 4 or 8
-    bytes that holds per (its bytes in memory order are the values, then zeros); the bytes past base ** per
-    (refused before any lookup) map to zeros."""
+    significant first, each replaced by alphabet[digit], as one item of 256 (the bytes past base ** per, refused
+    before any lookup, map to zeros): an unsigned integer of per bytes for per 1, 2, 4 or 8, of 4 bytes (the
+    values, then a zero) for per 3, and per bytes (a NumPy void item) for per 5. `_unpack` uses each so."""
     per = _radix_digits(base)
-    width = next(w for w in (1, 2, 4, 8) if w >= per)
+    width = 4 if per == 3 else per
     values = np.frombuffer(alphabet, np.uint8)
     rows = np.zeros((256, width), np.uint8)
     b = np.arange(base ** per)
     for j in range(per):
         rows[:b.size, j] = values[(b // base ** j) % base]
-    table = rows.view(f"u{width}").reshape(256)
+    table = rows.view(f"u{width}" if width in (1, 2, 4, 8) else f"V{width}").reshape(256)
     table.flags.writeable = False
     return table
 

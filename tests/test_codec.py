@@ -292,3 +292,18 @@ def test_a_zstd_frame_without_its_size_in_the_header_decodes_as_an_array_within_
     assert out.tobytes() == a.tobytes() and out.ctypes.data % 64 == 0
     with pytest.raises(codec.CodecError):
         codec.decompress_array(blob, codec.ZSTD, a.size - 1)
+
+
+@pytest.mark.parametrize("base", range(2, 17))
+def test_unpacking_digits_through_the_table_equals_digit_arithmetic(base):
+    """`codec._unpack` (one table lookup per packed byte; 1, 2, 4 or 8-byte words, 3 digits as padded words, 5 as
+    5-byte items) gives alphabet[digit] of `_digits` for every base, at every size (a partial last byte too),
+    into a 64-byte aligned array when not empty (handed to a kernel without a copy)."""
+    rng = np.random.default_rng(base)
+    per = codec._radix_digits(base)
+    alphabet = rng.permutation(256)[:base].astype(np.uint8)
+    for size in (0, 1, per - 1, per, 1000, 12_345):
+        packed = rng.integers(0, base ** per, -(-size // per)).astype(np.uint8)
+        out = codec._unpack(packed, base, size, alphabet.tobytes())
+        assert out.dtype == np.uint8 and (out.ctypes.data % 64 == 0 or size == 0), size
+        assert np.array_equal(out, alphabet[codec._digits(packed, base, size)])
