@@ -405,14 +405,17 @@ def _encoded(box, shards: list, codes_of: Callable, protected_of: Callable, cent
     return quantize.EncodedTensor(codes, centres, values, dtype), positions[order]
 
 
-def _protected_reader(codes_of: Callable, array_of: Callable, bins: int, what: str) -> Callable:
-    """`protected_of` for `_encoded`: a shard's protected positions and values, read once per shard."""
+def _protected_reader(codes_of: Callable, array_of: Callable, bins: int, what: str,
+                      top_of: Callable | None = None) -> Callable:
+    """`protected_of` for `_encoded`: a shard's protected positions and values, read once per shard. `top_of(p,
+    e)`: the shard's largest code where `codes_of` has it already (`_link_codes`), else it is computed here."""
 
     def protected_of(p, e):
         seg = e.segments["protected"]
         codes = codes_of(p, e)
         if seg.count == 0:  # none stored (a residual's usual case): no code may be the protected one
-            if codes.size and int(codes.max()) >= quantize.protected_code(bins):
+            top = top_of(p, e) if top_of is not None else int(codes.max()) if codes.size else 0
+            if top >= quantize.protected_code(bins):
                 raise store.CheckpointCorruptError(f"{what}: a protected code but no protected values")
             local = np.zeros(0, np.int32)
         else:
@@ -475,8 +478,9 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
         if len(levels) != 1 or not 1 <= len(next(iter(levels))) <= records.MAX_LEVELS:
             raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds no single list of levels for it")
         centres = np.asarray(levels.pop(), np.float32)
-        codes_of = _link_codes(obj, meta.keystr, centres.size, what)
-        protected_of = _protected_reader(codes_of, lambda *a, obj=obj: obj.array(meta.keystr, *a), centres.size, what)
+        codes_of, top_of = _link_codes(obj, meta.keystr, centres.size, what)
+        protected_of = _protected_reader(codes_of, lambda *a, obj=obj: obj.array(meta.keystr, *a), centres.size, what,
+                                         top_of)
         links.append((shards, centres, (codes_of, protected_of)))
     numpy = _is_numpy(meta, target)
     sharding = None if numpy else target_sharding(target)
@@ -559,16 +563,26 @@ def _once(read: Callable) -> Callable:
     return once
 
 
-def _link_codes(obj, leaf: str, bins: int, what: str) -> Callable:
-    """`codes_of` for one closed-loop link: a shard's codes, read once and checked to be codes of `bins` levels."""
+def _link_codes(obj, leaf: str, bins: int, what: str) -> tuple[Callable, Callable]:
+    """(`codes_of`, `top_of`) for one closed-loop link: a shard's codes, read once and checked to be codes of
+    `bins` levels, and their largest code (0 for none), found by that check (one pass over the codes, not two)."""
+    tops: dict[int, int] = {}
 
-    def codes_of(p, e):
+    def read(p, e):
         codes = obj.array(leaf, p, e.segments["codes"], "codes", np.uint8, store.box_shape(e.box))
-        if codes.size and int(codes.max()) > quantize.protected_code(bins):
-            raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds code {int(codes.max())}, above "
+        top = int(codes.max()) if codes.size else 0
+        if top > quantize.protected_code(bins):
+            raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds code {top}, above "
                                                f"the {quantize.protected_code(bins)} of its {bins} levels")
+        tops[id(e)] = top
         return codes
-    return _once(codes_of)
+
+    codes_of = _once(read)
+
+    def top_of(p, e):
+        codes_of(p, e)
+        return tops[id(e)]
+    return codes_of, top_of
 
 
 def _scales(reader: store.Reader, meta: records.Leaf, sharding, what: str) -> dict:
