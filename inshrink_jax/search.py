@@ -767,7 +767,7 @@ def _guard(checker: "Evaluator", outcome: Outcome, cube: Cube, metric: str, epsi
     interval's change is large against what the model tolerates: early in a fine-tune of a recurrent network, a
     residual at 8 levels cost 5% of the loss. Not a jump to the least aggressive configuration: an eval_fn's
     reading of a small perturbation is not monotone in its size (a ResNet's held-out loss read cells of 4 RMS
-    over 5% and cells of 1 RMS 12% better than the uncompressed state), and such jumps wrote 70% of the
+    over 5% and cells of 1 RMS 12% better than the uncompressed state), and such jumps wrote 69% of the
     parameter bytes of its loosest setting (docs/results.md)."""
     if outcome.quant is None:
         return outcome
