@@ -566,7 +566,6 @@ def _once(read: Callable) -> Callable:
 def _link_codes(obj, leaf: str, bins: int, what: str) -> tuple[Callable, Callable]:
     """(`codes_of`, `top_of`) for one closed-loop link: a shard's codes, read once and checked to be codes of
     `bins` levels, and their largest code (0 for none), found by that check (one pass over the codes, not two)."""
-    tops: dict[int, int] = {}
 
     def read(p, e):
         codes = obj.array(leaf, p, e.segments["codes"], "codes", np.uint8, store.box_shape(e.box))
@@ -574,15 +573,10 @@ def _link_codes(obj, leaf: str, bins: int, what: str) -> tuple[Callable, Callabl
         if top > quantize.protected_code(bins):
             raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds code {top}, above "
                                                f"the {quantize.protected_code(bins)} of its {bins} levels")
-        tops[id(e)] = top
-        return codes
+        return codes, top
 
-    codes_of = _once(read)
-
-    def top_of(p, e):
-        codes_of(p, e)
-        return tops[id(e)]
-    return codes_of, top_of
+    once = _once(read)
+    return (lambda p, e: once(p, e)[0]), (lambda p, e: once(p, e)[1])
 
 
 def _scales(reader: store.Reader, meta: records.Leaf, sharding, what: str) -> dict:

@@ -717,27 +717,32 @@ def _ladder(cube: Cube, q: QuantConfig, metric: str, capacity: int) -> list[Quan
     return ladder[ladder.index(q) + 1:] if q in ladder else ladder
 
 
-def _first_within(measure: Callable, ladder: Sequence[QuantConfig], budget: float) -> tuple[int | None, dict]:
+def _first_within(measure: Callable, ladder: Sequence[QuantConfig], budget: float,
+                  below: tuple[float, Any] | None = None) -> tuple[int, bool, dict]:
     """Bisection for the most aggressive rung of `ladder` (ordered from most to least aggressive; its quality
-    assumed to rise along it) that `measure` (one configuration -> (degradation, payload)) finds within `budget`:
-    (its index or None, index -> (degradation, payload) of every rung measured). About log2(len + 1)
-    measurements, where a walk up the ladder took up to its length; where the measure is not monotone (an
-    eval_fn's reading of small perturbations), it ends at a rung within the budget whose more aggressive
-    neighbour measured over it."""
-    lo, hi, measured = -1, len(ladder), {}
+    assumed to rise along it) that `measure` (one configuration -> (degradation, payload)) finds within `budget`.
+    `below`: the (degradation, payload) of what comes before the ladder (measured over the budget), index -1.
+    Returns (the index to take: that rung, or where none is within, the measured one of least degradation;
+    whether it is within; index -> (degradation, payload) of every rung measured, `below` included). About
+    log2(len + 1) measurements, where a walk up the ladder took up to its length; where the measure is not
+    monotone (an eval_fn's reading of small perturbations), it ends at a rung within the budget whose more
+    aggressive neighbour measured over it."""
+    lo, hi, measured = -1, len(ladder), ({} if below is None else {-1: below})
+
+    def chosen() -> int:
+        return hi if hi < len(ladder) else min(measured, key=lambda i: (measured[i][0], -i))
+
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        d, payload = measure(ladder[mid])
-        measured[mid] = (d, payload)
-        if d <= budget:
+        measured[mid] = measure(ladder[mid])
+        if measured[mid][0] <= budget:
             hi = mid
         else:
             lo = mid
-        # Only the payload that can still be chosen is kept (a state's encoded arrays each): the most aggressive
-        # rung within the budget, or while there is none, the rung of least degradation.
-        keep = hi if hi < len(ladder) else min(measured, key=lambda i: (measured[i][0], -i))
-        measured = {i: (e, p if i == keep else None) for i, (e, p) in measured.items()}
-    return (hi if hi < len(ladder) else None), measured
+        # Only the payload that can still be chosen is kept (a state's encoded arrays each).
+        keep = chosen()
+        measured = {i: (d, p if i == keep else None) for i, (d, p) in measured.items()}
+    return chosen(), hi < len(ladder), measured
 
 
 def _finer_residual(evaluator: "Evaluator", outcome: Outcome, budget: float, cube: Cube, metric: str,
@@ -749,11 +754,10 @@ def _finer_residual(evaluator: "Evaluator", outcome: Outcome, budget: float, cub
     least aggressive configuration where the encoder holds no finer levels)."""
     top = cube.config(cube.top, metric)  # measured by the search, over the budget
     ladder = _ladder(cube, top, metric, capacity) or [top]
-    found, measured = _first_within(lambda q: evaluator([q])[0], ladder, budget)
-    k = found if found is not None else min(measured, key=lambda i: (measured[i][0], -i))
-    d, payload = measured[k]
-    mode = "finer" if found is not None and ladder[k] != top else "least aggressive"
-    return Outcome(ladder[k], d, mode, outcome.evaluations + len(measured), outcome.rounds + len(measured), payload)
+    k, within, measured = _first_within(lambda q: evaluator([q])[0], ladder, budget)
+    mode = "finer" if within and ladder[k] != top else "least aggressive"
+    return Outcome(ladder[k], measured[k][0], mode, outcome.evaluations + len(measured),
+                   outcome.rounds + len(measured), measured[k][1])
 
 
 def _guard(checker: "Evaluator", outcome: Outcome, cube: Cube, metric: str, epsilon: float,
@@ -771,17 +775,15 @@ def _guard(checker: "Evaluator", outcome: Outcome, cube: Cube, metric: str, epsi
     parameter bytes of its loosest setting (docs/results.md)."""
     if outcome.quant is None:
         return outcome
-    [(d, payload)] = checker([outcome.quant])
+    [first] = checker([outcome.quant])
     evaluations, rounds = outcome.evaluations + 1, outcome.rounds + 1
-    if d <= epsilon:
-        return Outcome(outcome.quant, d, outcome.mode, evaluations, rounds, payload)
+    if first[0] <= epsilon:
+        return Outcome(outcome.quant, first[0], outcome.mode, evaluations, rounds, first[1])
     ladder = _ladder(cube, outcome.quant, metric, capacity)
-    found, measured = _first_within(lambda q: checker([q])[0], ladder, epsilon)
-    measured[-1] = (d, payload)
-    k = found if found is not None else min(measured, key=lambda i: (measured[i][0], -i))
-    q = outcome.quant if k == -1 else ladder[k]
-    return Outcome(q, measured[k][0], "guarded" if ladder else outcome.mode, evaluations + len(measured) - 1,
-                   rounds + len(measured) - 1, measured[k][1])
+    k, _, measured = _first_within(lambda q: checker([q])[0], ladder, epsilon, below=first)
+    more = len(measured) - 1
+    return Outcome(outcome.quant if k == -1 else ladder[k], measured[k][0], "guarded" if ladder else outcome.mode,
+                   evaluations + more, rounds + more, measured[k][1])
 
 
 FINE_KEYFRAME_BINS = quantize.UNIFORM_SLOTS  # the most levels a uint8 code holds beside pruned and protected

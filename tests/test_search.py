@@ -664,9 +664,9 @@ def test_the_residual_cube_orders_quality_along_the_levels_only():
 @pytest.mark.parametrize("n", range(0, 13))
 def test_bisection_finds_the_most_aggressive_rung_within_the_budget(n):
     """`search._first_within` over a ladder of n rungs whose quality rises along it, for every boundary (the
-    first rung within the budget; n: none): it returns that rung (None when there is none) after at most
-    ceil(log2(n + 1)) measurements, keeping the payload of the returned rung only (of the least degradation
-    measured when none is within)."""
+    first rung within the budget; n: none): it returns that rung after at most ceil(log2(n + 1)) measurements, or
+    where none is within, the measured one of least degradation (the rung below the ladder included), keeping
+    the payload of the returned one only."""
     for boundary in range(n + 1):
         calls = []
 
@@ -674,14 +674,15 @@ def test_bisection_finds_the_most_aggressive_rung_within_the_budget(n):
             calls.append(q)
             return (0.5 if q >= boundary else 2.0 + q * 0.1 if q % 2 else 2.0 - q * 0.01), f"payload {q}"
 
-        found, measured = search._first_within(measure, list(range(n)), 1.0)
-        assert found == (boundary if boundary < n else None)
+        below = (3.0, "payload below")
+        k, within, measured = search._first_within(measure, list(range(n)), 1.0, below=below)
+        assert within == (boundary < n) and measured[-1][0] == 3.0
+        assert k == (boundary if boundary < n else min(measured, key=lambda i: measured[i][0]))
         assert len(calls) == len(set(calls)) <= math.ceil(math.log2(n + 1))
-        kept = {i for i, (_, p) in measured.items() if p is not None}
-        if found is not None:
-            assert kept == {found} and measured[found] == (0.5, f"payload {found}")
-        elif n:
-            assert kept == {min(measured, key=lambda i: measured[i][0])}
+        assert {i for i, (_, p) in measured.items() if p is not None} == {k}  # only the chosen payload kept
+        if within:
+            assert measured[k] == (0.5, f"payload {k}")
+        assert search._first_within(measure, [], 1.0, below=below)[:2] == (-1, False)
 
 
 @pytest.mark.parametrize("passes_from, expected", [(2.0, 2.0), (3.0, 3.0), (1.0, 1.0), (0.5, 0.5), (0.1, 0.25)])
