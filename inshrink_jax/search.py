@@ -435,8 +435,12 @@ class Evaluator:
 
     def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
                  cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, offsets: Sequence | None = None,
-                 residual: bool = False, factors: Sequence | None = None, keyframe_floor: bool = False):
+                 residual: bool = False, factors: Sequence | None = None, keyframe_floor: bool = False,
+                 scored: bool | None = None):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
+        # Residual candidates on uniform cells scored without encoding them (`_uniform_residuals`): None decides
+        # by the state's size (`SCORED_WITHOUT_ENCODING`); a row-sampled evaluator of a large state says True.
+        self.scored = scored
         self.keyframe_floor = keyframe_floor  # every candidate must meet the data-free bound too (`trusted`)
         self.factors = factors  # a residual save's weighting (weighting.py), None: unweighted
         # The proxy's weights of a residual (scored without eval_fn): 1 / M (the squared error the weighted coding
@@ -482,11 +486,15 @@ class Evaluator:
             return 0.0 if worse <= 0 else math.inf
         return worse / abs(q0)
 
-    def __call__(self, quants: Sequence[QuantConfig]) -> list[tuple[float, list]]:
+    def __call__(self, quants: Sequence[QuantConfig], encode: bool = False) -> list[tuple[float, list]]:
+        """(degradation, payload) per candidate. `encode`: encode them even where residual candidates are
+        otherwise scored without encoding (a sampled search's choice measured on the whole state: its encoding
+        is then saved as is)."""
         if self.eval_fn is not None:
             self.measure_baseline()
-        if self.eval_fn is None and self.references is not None and \
-                sum(int(np.prod(x.shape)) for x in self.xs) >= SCORED_WITHOUT_ENCODING and all(
+        large = sum(int(np.prod(x.shape)) for x in self.xs) >= SCORED_WITHOUT_ENCODING if self.scored is None \
+            else self.scored
+        if not encode and self.eval_fn is None and self.references is not None and large and all(
                 q.step > 0 and not (q.protect_fraction or q.prune_fraction or q.rate) for q in quants):
             return self._uniform_residuals(quants)
         # Dispatch every candidate's device work first, then block on the scores together.
@@ -604,12 +612,12 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
                           None if residual else previous, cfg.metric_switch_margin, start=start)
 
         start = previous if residual and isinstance(previous, QuantConfig) else None
-        sampled = None if residual or eval_fn is not None or previous is not None else \
-            _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe)
+        sampled = _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe, residual,
+                                     factors) if residual or (eval_fn is None and previous is None) else None
         if sampled is None:
             outcome = run_search(evaluator, start)
-        else:  # a large state's first search: on row samples, then the choice measured whole
-            outcome = _measured_whole(evaluator, run_search(sampled, None), budget, run_search)
+        else:  # a large state's first search, or residual save: on row samples, then the choice measured whole
+            outcome = _measured_whole(evaluator, run_search(sampled, start), budget, run_search)
         top = cube.config(cube.top, metrics[0])  # the space's least aggressive configuration
         if residual and outcome.quant is None:
             # Nothing met residual_budget: finer cells than the space holds, the first that meets it, else the
@@ -653,11 +661,14 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     return outcome, record
 
 
-# A search without eval_fn and without a previous choice (a first keyframe) over a state of at least
-# `SCORED_WITHOUT_ENCODING` values evaluates its candidates on row samples of the tensors of more than
-# `SEARCH_SAMPLE` values (`_sampled_evaluator`): at 100M parameters each of the ~40 candidates of an exhaustive
-# search is an encode of the whole state (about 2 s on 2 CPU cores); the proxy is a ratio of sums over elements,
-# which about a million values a tensor estimate within a fraction of a percent.
+# A search without eval_fn and without a previous choice (a first keyframe), and the search of a closed-loop
+# residual save (always data-free), over a state of at least `SCORED_WITHOUT_ENCODING` values evaluates its
+# candidates on row samples of the tensors of more than `SEARCH_SAMPLE` values (`_sampled_evaluator`): at 100M
+# parameters each of the ~40 candidates of an exhaustive search is an encode of the whole state (about 2 s on 2
+# CPU cores), and scoring a residual save's four candidates without encoding them took 1.3-1.9 s, more than
+# encoding the chosen one (the kernel writes each candidate's squared error out before summing it: XLA's CPU
+# backend does not fuse these reductions). The proxy is a ratio of sums over elements, which about a million
+# values a tensor estimate within a fraction of a percent; the choice is then encoded and measured whole.
 SEARCH_SAMPLE = 1 << 20
 
 
@@ -671,13 +682,17 @@ def _row_sample(x: jax.Array | None) -> jax.Array | None:
     return x[::k]
 
 
-def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe) -> "Evaluator | None":
+def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe, residual: bool = False,
+                       factors=None) -> "Evaluator | None":
     """An `Evaluator` (data-free proxy) of the same leaves with the large tensors row-sampled (`_row_sample`,
-    their gradients and offsets alike), or None where the state is below `SCORED_WITHOUT_ENCODING` values, has
-    no tensor to sample, or spans several processes (whose searches must agree: the exact search there)."""
+    their gradients and offsets alike; a closed-loop residual save's candidates scored without encoding them),
+    or None where the state is below `SCORED_WITHOUT_ENCODING` values, has no tensor to sample, is a weighted
+    residual (its factors are per axis), or spans several processes (whose searches must agree: the exact search
+    there)."""
     xs = [leaves[i] for i in quant_idx]
     if sum(int(np.prod(x.shape)) for x in xs) < SCORED_WITHOUT_ENCODING or \
             all(int(np.prod(x.shape)) <= SEARCH_SAMPLE for x in xs) or \
+            (factors is not None and any(f is not None for f in factors)) or \
             not all(getattr(x, "is_fully_addressable", True) for x in xs):
         return None
     small = list(leaves)
@@ -685,7 +700,7 @@ def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets
         small[i] = _row_sample(leaves[i])
     offs = None if offsets is None else [_row_sample(o) for o in offsets]
     return Evaluator(small, treedef, quant_idx, [_row_sample(g) for g in gs], layer_types, cfg, None, offsets=offs,
-                     keyframe_floor=keyframe)
+                     residual=residual, keyframe_floor=keyframe, scored=True if residual else None)
 
 
 def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search) -> Outcome:
@@ -694,7 +709,7 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
     starting from that choice (`search`'s `start`). Nothing feasible on the samples: the exact search decides."""
     if sampled.quant is None:
         return run_search(evaluator, None)
-    [(d, payload)] = evaluator([sampled.quant])
+    [(d, payload)] = evaluator([sampled.quant], encode=True)
     if d <= budget:
         return dataclasses.replace(sampled, degradation=d, evaluations=sampled.evaluations + 1,
                                    rounds=sampled.rounds + 1, payload=payload)

@@ -706,3 +706,44 @@ def test_the_guard_takes_the_most_aggressive_residual_cells_the_eval_fn_accepts(
     assert out.evaluations == 3 + len(seen) and len(seen) <= 1 + math.ceil(math.log2(10))
     if expected != 0.25 or passes_from >= 0.25:
         assert out.degradation == 0.005
+
+
+@pytest.mark.parametrize("misled", [False, True])
+def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measured_whole(monkeypatch, misled):
+    """A closed-loop residual save of a large state (`SCORED_WITHOUT_ENCODING`, `SEARCH_SAMPLE`: lowered here)
+    searches its candidates on row samples, then encodes the choice and measures it on the whole state: the
+    outcome carries that encoding, and its degradation is exactly the whole state's proxy of it; the same choice
+    as the exact search. `misled`: the samples are of another state, whose heavy-tailed residual takes cells of 4
+    RMS; on the whole state (Gaussian residuals) they exceed the budget, and the exact search decides (cells of
+    1.5 RMS), still within the budget."""
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
+    monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
+    rng = np.random.default_rng(0)
+    shapes = [(256, 64), (128, 96), (64,)]
+    offs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes]
+    xs = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3) for o, s in zip(offs, shapes)]
+    if misled:
+        heavy = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3 *
+                                 np.where(rng.random(s) < 0.05, 30.0, 1.0)) for o, s in zip(offs, shapes)]
+        sampled = search._sampled_evaluator
+        monkeypatch.setattr(search, "_sampled_evaluator", lambda leaves, *a: sampled(heavy, *a))
+    lts = ["dense", "dense", "other"]
+    cfg = ij.CompressionConfig()
+
+    def run():
+        return search.choose(list(xs), None, [0, 1, 2], [None] * 3, lts, cfg, None, None, offsets=offs,
+                             residual=True)
+
+    outcome, record = run()
+    assert "sampled" in record
+    if misled:  # the exact search's choice, scored without encoding (encoded when saved)
+        assert outcome.payload is None and outcome.degradation <= cfg.effective_residual_budget
+    else:
+        whole = float(search.proxy_degradation(
+            xs, quantize.dequantize_all(outcome.payload, [x.dtype for x in xs]), [None] * 3, offs))
+        assert outcome.degradation == pytest.approx(whole, rel=1e-6) and whole <= cfg.effective_residual_budget
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 30)  # the exact search
+    exact, exact_record = run()
+    assert "sampled" not in exact_record and outcome.quant == exact.quant and exact.quant.step == 1.5
+    # The sampled search's five candidates, its choice measured whole, then (misled) the exact search's.
+    assert record["candidates"] > 6 if misled else record["candidates"] == 6
