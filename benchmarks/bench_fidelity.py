@@ -23,6 +23,10 @@ Workloads (the harness, failures and figures are those of bench_fault_tolerance.
           state is SGD's `trace`, not Adam's moments) and weight decay, 1500 steps with cosine decay, a
           checkpoint every 50, quality = test accuracy. The excp baseline does not store batch statistics and
           refuses this workload.
+  vit     an architecture the defaults were never tuned on: a vision transformer on MNIST (4 layers of width 64,
+          4 heads, 16 patches of 7x7, pre-norm, learned position embeddings, mean-pooled; 138k parameters),
+          AdamW 1e-3 with cosine decay over 1500 steps and weight decay 1e-4, batch 128, a checkpoint every 50,
+          quality = test accuracy.
 Noise floor: the largest |relative difference| of the final quality of seeds 1 and 2 from seed 0 (uninterrupted,
 no checkpoints); a method is "within noise" when its degradation is at most that.
 
@@ -45,9 +49,12 @@ import os
 import pickle
 import sys
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.training import train_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -154,7 +161,51 @@ class ResNetSGD(ft.Mnist):
         return optax.softmax_cross_entropy_with_integer_labels(self.logits(state, x), y).mean()
 
 
-WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD}
+class ViT(nn.Module):
+    """A small vision transformer for 28x28 images: 7x7 patches (16 tokens) embedded to `width`, learned position
+    embeddings, `depth` pre-norm blocks (multi-head self-attention and a GELU MLP of twice the width), a final
+    layer norm, mean pooling and a dense classifier."""
+
+    width: int = 64
+    depth: int = 4
+    heads: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.width, (7, 7), strides=(7, 7), padding="VALID")(x)
+        x = x.reshape(x.shape[0], -1, self.width)
+        x = x + self.param("position", nn.initializers.normal(0.02), (1, x.shape[1], self.width))
+        for _ in range(self.depth):
+            x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(nn.LayerNorm()(x))
+            y = nn.Dense(2 * self.width)(nn.LayerNorm()(x))
+            x = x + nn.Dense(self.width)(nn.gelu(y))
+        return nn.Dense(10)(jnp.mean(nn.LayerNorm()(x), axis=1))
+
+
+class ViTAdamW(ft.Mnist):
+    """A vision transformer on MNIST with AdamW and cosine decay (module docstring): the held-out workload."""
+
+    name = "vit"
+
+    def __init__(self, seed: int, steps: int):
+        super().__init__(seed)
+        self.total = steps
+
+    def describe(self, steps):
+        n = sum(x.size for x in jax.tree.leaves(self.create_state().params))
+        return (f"MNIST vision transformer ({n // 1000}k parameters: 4 layers of width 64, 4 heads, 16 patches of "
+                f"7x7), AdamW 1e-3 with cosine decay over {steps} steps and weight decay 1e-4, batch "
+                f"{self.batch_size}; quality on 8,000 test images, eval_fn = loss on the other 2,000")
+
+    def create_state(self):
+        model = ViT()
+        params = model.init(jax.random.PRNGKey(self.seed), jnp.zeros((1, 28, 28, 1)))["params"]
+        tx = optax.adamw(optax.cosine_decay_schedule(1e-3, self.total), weight_decay=1e-4)
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
+             "vit": ViTAdamW}
 
 
 def method(name: str):
