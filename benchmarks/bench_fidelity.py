@@ -135,14 +135,18 @@ class LSTMFineTune(ft.Workload):
         return loss, loss
 
 
-class ResNetSGD(ft.Mnist):
-    """A residual network with batch normalization on MNIST, trained with SGD and momentum (module docstring)."""
-
-    name = "resnet"
+class ScheduledMnist(ft.Mnist):
+    """An MNIST workload whose learning-rate schedule spans `steps` (its optimizer is built for the run's length)."""
 
     def __init__(self, seed: int, steps: int):
         super().__init__(seed)
         self.total = steps
+
+
+class ResNetSGD(ScheduledMnist):
+    """A residual network with batch normalization on MNIST, trained with SGD and momentum (module docstring)."""
+
+    name = "resnet"
 
     def describe(self, steps):
         return (f"MNIST residual network with batch normalization (112k parameters; examples/mnist.py ResNet), SGD "
@@ -182,14 +186,10 @@ class ViT(nn.Module):
         return nn.Dense(10)(jnp.mean(nn.LayerNorm()(x), axis=1))
 
 
-class ViTAdamW(ft.Mnist):
+class ViTAdamW(ScheduledMnist):
     """A vision transformer on MNIST with AdamW and cosine decay (module docstring): the held-out workload."""
 
     name = "vit"
-
-    def __init__(self, seed: int, steps: int):
-        super().__init__(seed)
-        self.total = steps
 
     def describe(self, steps):
         n = sum(x.size for x in jax.tree.leaves(self.create_state().params))

@@ -112,7 +112,10 @@ class Leaf:
       impl, data_shape: of PRNG keys (the key implementation's name, the key data's shape).
       method: of quantized leaves: "weights" (quantize.py) or "moments" (moments.py).
       layer_type: of quantized weights.
-      bins, centres: of quantized leaves: the number of levels (or value-table entries) and their values.
+      bins, centres: of quantized leaves: the number of levels (or value-table entries) and their values
+        (`table`). Since format 13 a second moment's table, symmetric by construction (moments.py), is stored
+        by its positive half, and a closed-loop parameter has no centres here: each link's levels are in its
+        offset table (`Segment.levels`).
       base_leaf: of weights stored as residuals against a base checkpoint: the base's leaf.
       coding: CLOSED_LOOP for a parameter stored in a closed-loop chain: the step restores it as the sum of its
         chain's links (each link's shards name the link before it, `Segment.prior`); a leaf of kind "array"
@@ -149,6 +152,19 @@ class Leaf:
             return 0
         return int(np.prod(self.data_shape or self.shape)) * jax.numpy.dtype(self.dtype).itemsize
 
+    @property
+    def halved(self) -> bool:
+        """Whether `centres` holds only the positive half of a second moment's value table (format 13)."""
+        return self.method == "moments" and self.scale_leaf is None and self.centres is not None and \
+            self.bins is not None and 2 * len(self.centres) == self.bins
+
+    def table(self) -> np.ndarray:
+        """The value table codes 1..bins decode through (float32): `centres`, or where only a second moment's
+        positive half is stored, the negatives (the half negated, largest first) and then that half, the table
+        moments.py built bit for bit."""
+        c = np.asarray(self.centres, np.float32)
+        return np.concatenate([-c[::-1], c]) if self.halved else c
+
     def to_json(self) -> dict:
         d = _drop_none(dataclasses.asdict(self))
         if self.kind == "scalar":
@@ -176,7 +192,9 @@ class Leaf:
         _check(leaf.mesh is None or (leaf.kind != "scalar" and _is_mesh(leaf.mesh, len(leaf.shape))),
                f"leaf {leaf.keystr}: invalid mesh {str(leaf.mesh)[:80]!r}")
         if leaf.kind == "quantized":
-            _check(isinstance(leaf.bins, int) and isinstance(leaf.centres, list) and len(leaf.centres) == leaf.bins,
+            _check(isinstance(leaf.bins, int) and (
+                leaf.centres is None and leaf.coding == CLOSED_LOOP or isinstance(leaf.centres, list) and (
+                    len(leaf.centres) == leaf.bins or leaf.halved)),
                    f"leaf {leaf.keystr}: invalid bins / centres")
         return leaf
 

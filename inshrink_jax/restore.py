@@ -433,7 +433,7 @@ def _quantized(reader, meta: records.Leaf, target, what: str):
     if meta.coding == records.CLOSED_LOOP:
         return _closed_loop(reader, meta, target, what)
     shape, shards = tuple(meta.shape), reader.shards.get(meta.keystr, [])
-    centres = np.asarray(meta.centres, np.float32)
+    centres = meta.table()
 
     def codes_of(p, e):
         return reader.codes(meta.keystr, e.box)[0]

@@ -632,11 +632,23 @@ async def write(d: Dispatched, directory, object_id: str, chain: ItemState, cfg:
 
 
 def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manifest:
-    """The step's manifest, with the centres of the quantized leaves (replicated: every process has them)."""
+    """The step's manifest, with the centres of the quantized leaves (replicated: every process has them): a
+    second moment's symmetric table by its positive half, a closed-loop parameter's none (its link's levels are
+    in the offset table; `records.Leaf.table`). A small model's records are a large share of a save: a vision
+    transformer's 138k parameters in 216 leaves wrote 16.7 kB of manifest a save, 60% of it second moments'
+    tables, of a 95 kB save."""
     recs = list(d.records)
     for i, dev in zip(d.quantized, d.devs):
-        bins = int(dev.bins)
-        recs[i] = dataclasses.replace(recs[i], bins=bins, centres=records.float32_list(np.asarray(dev.centres)[:bins]))
+        bins, rec = int(dev.bins), recs[i]
+        table = np.asarray(dev.centres)[:bins]
+        if rec.coding == records.CLOSED_LOOP:
+            centres = None
+        elif rec.method == "moments" and rec.scale_leaf is None and bins % 2 == 0 and \
+                np.array_equal(table[:bins // 2], -table[bins // 2:][::-1]):  # a second moment's (or as symmetric)
+            centres = records.float32_list(table[bins // 2:])
+        else:
+            centres = records.float32_list(table)
+        recs[i] = dataclasses.replace(rec, bins=bins, centres=centres)
     raw = {part: 0 for part in records.PARTS}
     for r in recs:
         raw[r.part] += r.nbytes

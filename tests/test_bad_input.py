@@ -95,8 +95,11 @@ def test_a_huge_single_leaf_round_trips(tmp_path):
     r, mngr = save_restore(tmp_path, {"params": {"w": jnp.asarray(w)}}, quant=ij.QuantConfig(bins=16))
     out = np.asarray(r["params"]["w"])
     assert out.shape == w.shape
-    meta = ij.store.Reader(tmp_path / "0" / "default").manifest.leaves[0]
-    on_grid = np.isin(out, np.asarray(meta.centres, np.float32))
+    reader = ij.store.Reader(tmp_path / "0" / "default")
+    meta = reader.manifest.leaves[0]
+    assert meta.coding == ij.records.CLOSED_LOOP and meta.centres is None  # a keyframe: the levels of its link
+    [(_, shard)] = reader.shards[meta.keystr]
+    on_grid = np.isin(out, np.asarray(shard.segments["codes"].levels, np.float32))
     near = np.abs(out - w) <= 2.0**-8 * np.abs(w)  # protected: bfloat16 of the weight
     assert np.all(on_grid | near)  # every weight is on one of the 16 centres or its protected value
     assert near.mean() >= 0.005  # the protected 0.5% (the largest weights) come back near-exact

@@ -48,7 +48,7 @@ def assert_moment_on_table(restored, original, meta, scale=None):
     moment as restored) for a first moment coded relative to it; 0 where it was 0. A second moment keeps its
     sign."""
     r, o = np.asarray(restored, np.float64), np.asarray(original, np.float64)
-    table = np.asarray(meta.centres, np.float32).astype(np.float64)
+    table = meta.table().astype(np.float64)
     s = np.ones_like(r) if scale is None else np.sqrt(np.asarray(scale, np.float64))
     nz = r != 0
     ratio = r[nz] / s[nz]

@@ -43,3 +43,74 @@ def test_a_record_reads_back_as_written_and_as_any_tool_rewrites_it_but_not_chan
         path.write_bytes(text)
         with pytest.raises(store.CheckpointCorruptError, match="checksum mismatch"):
             store.read_json(path, "record", tmp_path)
+
+
+def _leaf(**fields) -> dict:
+    return {"path": [["d", "w"]], "keystr": "['w']", "kind": "quantized", "shape": [4], "dtype": "float32",
+            **fields}
+
+
+def test_a_second_moments_table_is_stored_by_its_positive_half_and_read_back_whole():
+    """Format 13: a second moment's symmetric value table is stored by its positive half and `Leaf.table` gives
+    the whole table bit for bit; a full table (older formats, or a first moment) is taken as it is; a closed-loop
+    parameter has no centres in the manifest (its links' levels are in the offset tables), any other quantized
+    leaf must have them, as many as its bins (or the half, for a second moment only)."""
+    half = [1e-8, 3.5e-7, 2.25e-5]
+    leaf = records.Leaf.from_json(_leaf(method="moments", bins=6, centres=half))
+    assert leaf.halved
+    whole = np.asarray([-2.25e-5, -3.5e-7, -1e-8, 1e-8, 3.5e-7, 2.25e-5], np.float32)
+    assert leaf.table().tobytes() == whole.tobytes()
+    old = records.Leaf.from_json(_leaf(method="moments", bins=6, centres=whole.tolist()))
+    assert not old.halved and old.table().tobytes() == whole.tobytes()
+    closed = records.Leaf.from_json(_leaf(method="weights", bins=63, coding=records.CLOSED_LOOP))
+    assert closed.centres is None
+    for bad in (_leaf(method="moments", bins=6, centres=half, scale_leaf="['v']"),  # a first moment: whole
+                _leaf(method="weights", bins=6, centres=half),
+                _leaf(method="weights", bins=6),  # open loop: its levels are only here
+                _leaf(method="moments", bins=5, centres=half)):
+        with pytest.raises(records.RecordError, match="invalid bins / centres"):
+            records.Leaf.from_json(bad)
+
+
+def test_a_save_writes_compact_centres_and_restores_the_same_state(tmp_path):
+    """Through the handler, with Adam: each second moment's manifest entry holds half its table, each closed-loop
+    parameter's none; the restore gives back exactly the values the save's encoders produced (the second moments
+    on their tables, the first moments relative to them: tests/test_handler.py's checks), and the manifest is
+    smaller than the same manifest with whole tables and closed-loop centres."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+
+    import inshrink_jax as ij
+    from inshrink_jax import store
+
+    rng = np.random.default_rng(0)
+    params = {f"layer{i}": {"kernel": jnp.asarray(rng.standard_normal((64, 32)) * 0.05, jnp.float32),
+                            "bias": jnp.asarray(rng.standard_normal(32) * 0.01, jnp.float32)} for i in range(4)}
+    tx = optax.adam(1e-3)
+    opt = tx.init(params)
+    for _ in range(3):
+        grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32) * 0.1, params)
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+    state = {"params": params, "opt": opt}
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler())
+    mngr.save(0, args=ij.InshrinkSave(state))
+    mngr.wait_until_finished()
+    reader = store.Reader(tmp_path / "0" / "default")
+    seconds = [m for m in reader.manifest.leaves if m.method == "moments" and m.scale_leaf is None]
+    closed = [m for m in reader.manifest.leaves if m.coding == records.CLOSED_LOOP and m.kind == "quantized"]
+    assert seconds and closed and all(m.halved for m in seconds) and all(m.centres is None for m in closed)
+    restored = mngr.restore(0, args=ij.InshrinkRestore(state))
+    nus = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(restored["opt"])[0]}
+    for m in seconds:
+        got = np.asarray(nus[m.keystr.removeprefix("['opt']")])
+        assert np.isin(got[got != 0], m.table()).all()
+    body, _ = store.read_json(tmp_path / "0" / "default" / store.MANIFEST, "manifest", tmp_path)
+    inflated = json.loads(json.dumps(body))
+    for d, m in zip(inflated["leaves"], reader.manifest.leaves):
+        if m in seconds:
+            d["centres"] = records.float32_list(m.table())
+    assert len(store._canonical(body)) < len(store._canonical(inflated))
+    mngr.close()
