@@ -158,6 +158,18 @@ class Leaf:
         return self.method == "moments" and self.scale_leaf is None and self.centres is not None and \
             self.bins is not None and 2 * len(self.centres) == self.bins
 
+    def stored_centres(self, table) -> list | None:
+        """What the manifest stores of this leaf's value `table` (float32, `bins` entries; the inverse of
+        `table()`): nothing for a closed-loop parameter (its links' levels are in the offset tables), the positive
+        half of a moment's table that is exactly symmetric (a second moment's always is), else the whole table."""
+        t = np.asarray(table, np.float32)
+        if self.coding == CLOSED_LOOP:
+            return None
+        if self.method == "moments" and self.scale_leaf is None and t.size % 2 == 0 and \
+                np.array_equal(t[:t.size // 2], -t[t.size // 2:][::-1]):
+            return float32_list(t[t.size // 2:])
+        return float32_list(t)
+
     def table(self) -> np.ndarray:
         """The value table codes 1..bins decode through (float32): `centres`, or where only a second moment's
         positive half is stored, the negatives (the half negated, largest first) and then that half, the table

@@ -639,16 +639,9 @@ def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manif
     tables, of a 95 kB save."""
     recs = list(d.records)
     for i, dev in zip(d.quantized, d.devs):
-        bins, rec = int(dev.bins), recs[i]
-        table = np.asarray(dev.centres)[:bins]
-        if rec.coding == records.CLOSED_LOOP:
-            centres = None
-        elif rec.method == "moments" and rec.scale_leaf is None and bins % 2 == 0 and \
-                np.array_equal(table[:bins // 2], -table[bins // 2:][::-1]):  # a second moment's (or as symmetric)
-            centres = records.float32_list(table[bins // 2:])
-        else:
-            centres = records.float32_list(table)
-        recs[i] = dataclasses.replace(rec, bins=bins, centres=centres)
+        bins = int(dev.bins)
+        recs[i] = dataclasses.replace(recs[i], bins=bins,
+                                      centres=recs[i].stored_centres(np.asarray(dev.centres)[:bins]))
     raw = {part: 0 for part in records.PARTS}
     for r in recs:
         raw[r.part] += r.nbytes

@@ -438,9 +438,10 @@ class Evaluator:
                  residual: bool = False, factors: Sequence | None = None, keyframe_floor: bool = False,
                  scored: bool | None = None):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
-        # Residual candidates on uniform cells scored without encoding them (`_uniform_residuals`): None decides
-        # by the state's size (`SCORED_WITHOUT_ENCODING`); a row-sampled evaluator of a large state says True.
-        self.scored = scored
+        # Residual candidates on uniform cells scored without encoding them (`_uniform_residuals`): by default
+        # where the state is large (`SCORED_WITHOUT_ENCODING`); a row-sampled evaluator of a large state says True.
+        self.scored = sum(int(np.prod(leaves[i].shape)) for i in quant_idx) >= SCORED_WITHOUT_ENCODING \
+            if scored is None else scored
         self.keyframe_floor = keyframe_floor  # every candidate must meet the data-free bound too (`trusted`)
         self.factors = factors  # a residual save's weighting (weighting.py), None: unweighted
         # The proxy's weights of a residual (scored without eval_fn): 1 / M (the squared error the weighted coding
@@ -492,9 +493,7 @@ class Evaluator:
         is then saved as is)."""
         if self.eval_fn is not None:
             self.measure_baseline()
-        large = sum(int(np.prod(x.shape)) for x in self.xs) >= SCORED_WITHOUT_ENCODING if self.scored is None \
-            else self.scored
-        if not encode and self.eval_fn is None and self.references is not None and large and all(
+        if not encode and self.eval_fn is None and self.references is not None and self.scored and all(
                 q.step > 0 and not (q.protect_fraction or q.prune_fraction or q.rate) for q in quants):
             return self._uniform_residuals(quants)
         # Dispatch every candidate's device work first, then block on the scores together.
