@@ -338,6 +338,15 @@ def decompress_array(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarr
         out.flags.writeable = False
         return out
     out = aligned_empty(size)  # the frame's header states this size: nothing is allocated before that check
+    _zstd_into(blob, out)
+    out.flags.writeable = False
+    return out
+
+
+def _zstd_into(blob, out: np.ndarray) -> None:
+    """Decompress a zstandard frame of exactly `out.size` bytes straight into the uint8 array `out` (no
+    intermediate bytes object), or CodecError; nothing beyond `out` is allocated, whatever the frame declares."""
+    size = out.size
     try:
         got, view = 0, memoryview(out)
         with _decompressor().stream_reader(blob) as reader:
@@ -351,8 +360,6 @@ def decompress_array(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarr
         raise CodecError(f"zstandard stream does not decode ({e})") from None
     if got != size or extra:
         raise CodecError(f"stream decodes to {'more than ' if extra else ''}{got} bytes, expected {size}")
-    out.flags.writeable = False
-    return out
 
 
 _ALIGN = 64  # bytes: the alignment XLA's CPU client needs to use a host buffer in place
@@ -429,9 +436,10 @@ def _digits(packed: np.ndarray, base: int, size: int) -> np.ndarray:
     return digits.reshape(-1)[:size]
 
 
-def _radix_packed(blob: bytes, size: int) -> tuple[np.ndarray, int]:
+def _radix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, int]:
     """The packed bytes of a "zstd-radix" stream of `size` values, checked (each is `_radix_digits(base)` digits
-    in its base), and the base."""
+    in its base), and the base. The bytes are 64-byte aligned, decompressed straight into place, and hold at least
+    `slots` values: any bytes past the stream's are zeros."""
     if len(blob) < 9 or not 2 <= blob[0] <= _RADIX_MAX:
         raise CodecError("zstd-radix stream has no valid base byte and count")
     base, count = blob[0], int(np.frombuffer(blob[1:9], "<u8")[0])
@@ -439,11 +447,11 @@ def _radix_packed(blob: bytes, size: int) -> tuple[np.ndarray, int]:
         raise CodecError(f"zstd-radix header states {count} values; expected {size}")
     per = _radix_digits(base)
     nbytes = -(-size // per)
-    packed = np.frombuffer(_zstd(blob[9:], nbytes), np.uint8)
-    if packed.size != nbytes:
-        raise CodecError(f"zstd-radix stream holds {packed.size} bytes, expected {nbytes} for {size} values")
-    if packed.size and int(packed.max()) >= base ** per:
-        raise CodecError(f"zstd-radix byte {int(packed.max())} is not {per} digits in base {base}")
+    packed = aligned_empty(max(nbytes, -(-slots // per)))
+    _zstd_into(blob[9:], packed[:nbytes])
+    packed[nbytes:] = 0
+    if nbytes and int(packed[:nbytes].max()) >= base ** per:
+        raise CodecError(f"zstd-radix byte {int(packed[:nbytes].max())} is not {per} digits in base {base}")
     return packed, base
 
 
@@ -468,21 +476,55 @@ def _unpack(packed: np.ndarray, base: int, size: int, alphabet: bytes) -> np.nda
 
 
 @functools.lru_cache(maxsize=256)
-def _digit_table(base: int, alphabet: bytes) -> np.ndarray:
-    """For each byte b < base ** per (per = `_radix_digits(base)`), its per digits in base `base`, least
-    significant first, each replaced by alphabet[digit], as one item of 256 (the bytes past base ** per, refused
-    before any lookup, map to zeros): an unsigned integer of per bytes for per 1, 2, 4 or 8, of 4 bytes (the
-    values, then a zero) for per 3, and per bytes (a NumPy void item) for per 5. `_unpack` uses each so."""
+def _digit_rows(base: int, alphabet: bytes) -> np.ndarray:
+    """(256, per) uint8, per = `_radix_digits(base)`: for each byte b < base ** per, its per digits in base
+    `base`, least significant (the first value) first, each replaced by alphabet[digit]; the bytes past
+    base ** per, refused before any lookup, hold zeros. Read-only."""
     per = _radix_digits(base)
-    width = 4 if per == 3 else per
     values = np.frombuffer(alphabet, np.uint8)
-    rows = np.zeros((256, width), np.uint8)
+    rows = np.zeros((256, per), np.uint8)
     b = np.arange(base ** per)
     for j in range(per):
         rows[:b.size, j] = values[(b // base ** j) % base]
-    table = rows.view(f"u{width}" if width in (1, 2, 4, 8) else f"V{width}").reshape(256)
+    rows.flags.writeable = False
+    return rows
+
+
+@functools.lru_cache(maxsize=256)
+def _digit_table(base: int, alphabet: bytes) -> np.ndarray:
+    """`_digit_rows` with each row as one item of 256: an unsigned integer of per bytes for per 1, 2, 4 or 8, of
+    4 bytes (the values, then a zero) for per 3, and per bytes (a NumPy void item) for per 5. `_unpack` uses each
+    so."""
+    rows = _digit_rows(base, alphabet)
+    per = rows.shape[1]
+    width = 4 if per == 3 else per
+    wide = np.zeros((256, width), np.uint8)
+    wide[:, :per] = rows
+    table = wide.view(f"u{width}" if width in (1, 2, 4, 8) else f"V{width}").reshape(256)
     table.flags.writeable = False
     return table
+
+
+def packed_values(blob: bytes, codec: str, size: int, slots: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
+    """A stream of `size` byte values left packed: for "zstd-radix", and "zstd-rank" whose ranks are in its
+    alphabet's own base (what the encoder writes for an alphabet of 2 or more), (its checked packed bytes and
+    `_digit_rows` of its base and alphabet: the `per` values each byte holds), so that value i < `size` is
+    rows[packed[i // per], i % per], exactly what `decompress` gives; None for any other stream (decode it with
+    `decompress_array`). The packed bytes are 64-byte aligned and hold at least `slots` values: the bytes past
+    the stream's are zeros (each holds `per` of rows[0]). A restore's kernels look the values up from the packed
+    bytes, where spelling out every value on the host first cost most of a deep restore's time
+    (benchmarks/results/handler.md)."""
+    if codec == ZSTD_RADIX:
+        head, alphabet = blob, None
+    elif codec == ZSTD_RANK:
+        values = _alphabet(blob, _RADIX_MAX, 0, ZSTD_RANK)
+        if values.size < 2 or len(blob) < 2 + values.size or blob[1 + values.size] != values.size:
+            return None  # ranks in another base: each must be checked against the alphabet (`_decompress_rank`)
+        head, alphabet = blob[1 + values.size:], values.tobytes()
+    else:
+        return None
+    packed, base = _radix_packed(head, size, slots)
+    return packed, _digit_rows(base, alphabet if alphabet is not None else bytes(range(base)))
 
 
 def _alphabet(blob: bytes, most: int, after: int, name: str) -> np.ndarray:

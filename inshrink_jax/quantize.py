@@ -101,6 +101,48 @@ class EncodedTensor(NamedTuple):
         return int(self.centres.shape[0])
 
 
+class PackedCodes(NamedTuple):
+    """The codes of a tensor left packed, several to a byte, as a restore reads a packed stream
+    (`codec.packed_values`): code i is rows[packed[i // per], i % per]. `decode_chain` takes them in place of an
+    array of codes and looks the values up from the packed bytes in its kernel, so no array of every code is
+    made on the host (nor read again by the kernel).
+
+    Attributes:
+      packed: uint8 bytes, ceil(size / per) of them.
+      rows: (256, per) uint8: the codes each byte value holds, the first position's first.
+      shape: the tensor's shape.
+    """
+
+    packed: np.ndarray
+    rows: np.ndarray
+    shape: tuple
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def at(self, flat: np.ndarray) -> np.ndarray:
+        """The codes at flat positions `flat` (below `size`)."""
+        per = self.rows.shape[1]
+        return self.rows[self.packed[flat // per], flat % per]
+
+    def top(self) -> int:
+        """A bound on the largest code: the largest any byte value holds (the stream's alphabet's largest)."""
+        return int(self.rows.max())
+
+
+def _codes_at(codes, flat: np.ndarray) -> np.ndarray:
+    """Codes (an array or `PackedCodes`) at flat positions."""
+    return codes.at(flat) if isinstance(codes, PackedCodes) else codes.reshape(-1)[flat]
+
+
+def _top_code(codes) -> int:
+    """The largest code (an array's; a `PackedCodes`' bound), 0 for none."""
+    if isinstance(codes, PackedCodes):
+        return codes.top()
+    return int(codes.max()) if codes.size else 0
+
+
 @functools.lru_cache(maxsize=64)
 def seed_key(seed: int, fold: int) -> jax.Array:
     """fold_in(PRNGKey(seed), fold), made once per process: creating keys costs host dispatches, which every
@@ -756,13 +798,16 @@ def encode_tensors(
 def _checked_positions(enc: EncodedTensor, pos: np.ndarray | None = None) -> np.ndarray:
     """The flat positions of an encoded tensor's protected weights (`pos` if the caller has them already), after
     checking that it holds one value for each and no code past the protected one (ValueError)."""
+    if pos is None and isinstance(enc.codes, PackedCodes):  # none, where no byte holds the protected code
+        pos = np.zeros(0, np.int32) if enc.codes.top() < protected_code(enc.bins) else protected_positions(
+            enc.codes.at(np.arange(enc.codes.size)), enc.bins)
     pos = protected_positions(enc.codes, enc.bins) if pos is None else pos
     if pos.size != enc.protected.size:
         raise ValueError(
             f"corrupt encoded tensor: {pos.size} protected codes but {enc.protected.size} protected values"
         )
-    if enc.codes.size and int(enc.codes.max()) > enc.centres.size + 1:
-        raise ValueError(f"corrupt encoded tensor: code {int(enc.codes.max())} is above the protected code "
+    if _top_code(enc.codes) > enc.centres.size + 1:
+        raise ValueError(f"corrupt encoded tensor: code {_top_code(enc.codes)} is above the protected code "
                          f"{enc.centres.size + 1} of its {enc.centres.size} levels")
     return pos
 
@@ -809,21 +854,25 @@ def _table(enc: EncodedTensor, work) -> np.ndarray:
 CHAIN_GROUP = 4
 
 
-@jax.jit
-def _chain_start(codes, table):
-    """A keyframe link's values: `table` (in the leaf's dtype) looked up by its codes."""
-    return table[codes]
+@functools.partial(jax.jit, static_argnames=("size",))
+def _chain_start(codes, table, *, size):
+    """A keyframe link's values: `table` (in the leaf's dtype) looked up by its codes, `size` of them."""
+    return _fit(table[codes], size)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
 def _chain_group(a, codes, tables, used, exps, *, dtype):
     """`a` plus each of `CHAIN_GROUP` links' residuals where `used`, per link the formula of the save
     (`plus_offset`, after `weighting.times_multiplier` where the link is weighted): `codes` (a tuple of
-    `CHAIN_GROUP` arrays of n codes), `tables` (CHAIN_GROUP, 256) and `exps` (None: no link of the group weighted;
-    else a tuple of `CHAIN_GROUP` int8 arrays of n, 0 for an unweighted link) hold one entry per link. The codes
-    stay separate arrays: stacking a group's links on the host would copy every code once more."""
+    `CHAIN_GROUP` uint8 arrays: n codes, or the packed bytes of `PackedCodes`), `tables` (a tuple of `CHAIN_GROUP`
+    float32 tables: (256,) code -> value, or (256, per) byte -> its per codes' values for packed bytes) and `exps`
+    (None: no link of the group weighted; else a tuple of `CHAIN_GROUP` int8 arrays of n, 0 for an unweighted link)
+    hold one entry per link. The codes stay separate arrays: stacking a group's links on the host would copy every
+    code once more."""
     for i in range(CHAIN_GROUP):
         r = tables[i][codes[i]]
+        if r.ndim == 2:  # packed: each byte's values, in position order
+            r = r.reshape(-1)
         if exps is not None:
             r = weighting.times_multiplier(r, exps[i])
         a = jnp.where(used[i], plus_offset(r, a, dtype), a)
@@ -845,9 +894,28 @@ _CHAIN_PADDED_BELOW = 1 << 20
 _CHAIN_MIN = 1 << 10
 
 
+# A larger tensor's chain is decoded padded to a multiple of this: the codes a byte of packed codes holds (2, 3, 4,
+# 5 or 8; `PackedCodes`) each divide it, so a packed link's values are its bytes' looked-up rows laid end to end.
+# (Laid end to end and then cut to the tensor's length, XLA's CPU backend computed them 3x slower: ad hoc.)
+PACKED_MULTIPLE = 120
+
+
 def chain_size(n: int) -> int:
     """The length `decode_chain`'s kernels work on for a tensor of `n` elements."""
-    return n if n >= _CHAIN_PADDED_BELOW else max(_CHAIN_MIN, 1 << max(n - 1, 0).bit_length())
+    if takes_packed(n):
+        return -(-n // PACKED_MULTIPLE) * PACKED_MULTIPLE
+    return max(_CHAIN_MIN, 1 << max(n - 1, 0).bit_length())
+
+
+def takes_packed(n: int) -> bool:
+    """Whether `decode_chain` takes a residual's codes of a tensor of `n` elements as `PackedCodes` (holding
+    `chain_size(n)` codes: `codec.packed_values(..., slots=chain_size(n))`)."""
+    return n >= _CHAIN_PADDED_BELOW
+
+
+def _fit(x: jax.Array, size: int) -> jax.Array:
+    """A flat array zero-padded to `size` in a kernel."""
+    return jnp.pad(x, (0, size - x.shape[0])) if x.shape[0] < size else x
 
 
 def _flat(a: np.ndarray, size: int, copy: bool = False) -> np.ndarray:
@@ -884,7 +952,9 @@ def decode_chain(links: Sequence, device=None,
     level at a few positions, are recomputed link by link on the host at those positions only (once every link
     has arrived) and put in at the end. The kernels work on flat arrays and compile once per tensor size and
     dtype (and power of two of the protected positions), whatever the chain's length: the residuals are added
-    `CHAIN_GROUP` at a time."""
+    `CHAIN_GROUP` at a time. A residual's codes may be `PackedCodes` of `chain_size(n)` codes where
+    `takes_packed(n)`: its kernel looks the values up from the packed bytes (one compile per group's mix of codes
+    a byte)."""
     pending = list(links)
     if not pending:
         raise ValueError("a chain has at least one link")
@@ -899,9 +969,10 @@ def decode_chain(links: Sequence, device=None,
 
     first = upto(1)[0]
     dtype = np.dtype(jnp.dtype(first.dtype if isinstance(first, EncodedTensor) else first.dtype))
-    shape = first.codes.shape if isinstance(first, EncodedTensor) else first.shape
+    shape = tuple(first.codes.shape if isinstance(first, EncodedTensor) else first.shape)
     n = int(np.prod(shape, dtype=np.int64))
-    size_n = chain_size(n)  # what the kernels work on: n, or a small tensor padded (fewer sizes to compile)
+    size_n = chain_size(n)  # what the kernels work on: a small tensor padded (fewer sizes to compile), a large one
+    # to `PACKED_MULTIPLE`
     f32 = np.dtype(np.float32)
     count = len(pending) - 1  # residuals
     weightings = list(weightings or [None] * count)
@@ -917,8 +988,13 @@ def decode_chain(links: Sequence, device=None,
     put = functools.partial(jax.device_put, device=device)
     if not count and not isinstance(first, EncodedTensor):
         return put(np.asarray(first))  # a lossless first link alone: its exact values
+    if isinstance(first, EncodedTensor) and isinstance(first.codes, PackedCodes):
+        raise ValueError("a chain's first link takes its codes as an array, not packed")
     if isinstance(first, EncodedTensor):
-        out = _chain_start(*put([_flat(first.codes, size_n), _table(first, dtype)]))
+        # A large tensor's codes are padded in the kernel (a copy on the host otherwise), a residual's on the host:
+        # padded in the kernel, they made the residuals' kernel 2.5x slower on XLA's CPU backend (ad hoc).
+        codes = first.codes.reshape(-1) if takes_packed(n) else _flat(first.codes, size_n)
+        out = _chain_start(*put([codes, _table(first, dtype)]), size=size_n)
     else:
         out = put(_flat(np.asarray(first), size_n, copy=True))  # a copy: the kernels below update it in place
     for g in range(0, count, CHAIN_GROUP):
@@ -926,13 +1002,18 @@ def decode_chain(links: Sequence, device=None,
         for e in group:
             if not isinstance(e, EncodedTensor):
                 raise ValueError("corrupt chain: a link after the first holds exact values, not a residual")
-            if e.codes.shape != tuple(shape):
-                raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape "
-                                 f"{tuple(shape)}")
+            if tuple(e.codes.shape) != shape:
+                raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape {shape}")
+            if isinstance(e.codes, PackedCodes) and (not takes_packed(n) or e.codes.rows.shape[0] != 256 or
+                                                     e.codes.packed.size * e.codes.rows.shape[1] != size_n):
+                raise ValueError(f"packed codes of {e.codes.packed.size} bytes of {e.codes.rows.shape[1]} codes "
+                                 f"for a tensor of {n} values (the chain kernels take {size_n} codes, of a tensor "
+                                 f"of at least {_CHAIN_PADDED_BELOW})")
         ks = exps[g:g + CHAIN_GROUP]
         # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
-        host = [[_flat(e.codes, size_n) for e in group],
-                np.stack([_table(e, f32) for e in group + group[-1:] * (CHAIN_GROUP - len(group))]),
+        host = [[e.codes.packed if isinstance(e.codes, PackedCodes) else _flat(e.codes, size_n) for e in group],
+                [_table(e, f32)[e.codes.rows] if isinstance(e.codes, PackedCodes) else _table(e, f32)
+                 for e in group],
                 np.arange(CHAIN_GROUP) < len(group)]
         weighted = any(k is not None for k in ks)
         if weighted:
@@ -941,8 +1022,9 @@ def decode_chain(links: Sequence, device=None,
         on_device = put(host)
         pad = CHAIN_GROUP - len(group)
         exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
-        out = _chain_group(out, tuple(on_device[0]) + (on_device[0][-1],) * pad, on_device[1], on_device[2],
-                           exps_dev, dtype=jnp.dtype(dtype))
+        out = _chain_group(out, tuple(on_device[0]) + (on_device[0][-1],) * pad,
+                           tuple(on_device[1]) + (on_device[1][-1],) * pad, on_device[2], exps_dev,
+                           dtype=jnp.dtype(dtype))
     encoded = [(e, p) for e, p in got if isinstance(e, EncodedTensor)]
     positions = [_checked_positions(e, p) for e, p in encoded]
     # Every protected position once (`at`, ascending), and where each link's positions are in it (`where`): a
@@ -958,12 +1040,12 @@ def decode_chain(links: Sequence, device=None,
     # The protected positions, link by link with the save's formulas (decode, plus_offset) in NumPy.
     residuals = [e for e, _ in got[1:]]
     if isinstance(first, EncodedTensor):
-        a = _table(first, dtype)[first.codes.reshape(-1)[at]]
+        a = _table(first, dtype)[_codes_at(first.codes, at)]
         a[where[0]] = first.protected.astype(dtype)
     else:
         a = np.asarray(first).reshape(-1)[at]
     for e, w, k in zip(residuals, where[len(encoded) - len(residuals):], exps):
-        r = _table(e, f32)[e.codes.reshape(-1)[at]]
+        r = _table(e, f32)[_codes_at(e.codes, at)]
         r[w] = e.protected.astype(f32)
         if k is not None:  # times 2^K: exact, as on the device
             r = np.ldexp(r, k[at].astype(np.int32)).astype(f32)

@@ -472,7 +472,7 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
     for obj, shards in reader.links(meta.keystr):
         if "data" in shards[0][1].segments:
             links.append((shards, None, _once(lambda p, e, obj=obj: obj.array(
-                meta.keystr, p, e.segments["data"], "data", dtype, store.box_shape(e.box)))))
+                meta.keystr, p, e.segments["data"], "data", dtype, store.box_shape(e.box))), obj))
             continue
         levels = {tuple(e.segments["codes"].levels or ()) for _, e in shards}
         if len(levels) != 1 or not 1 <= len(next(iter(levels))) <= records.MAX_LEVELS:
@@ -481,7 +481,7 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
         codes_of, top_of = _link_codes(obj, meta.keystr, centres.size, what)
         protected_of = _protected_reader(codes_of, lambda *a, obj=obj: obj.array(meta.keystr, *a), centres.size, what,
                                          top_of)
-        links.append((shards, centres, (codes_of, protected_of)))
+        links.append((shards, centres, (codes_of, protected_of), obj))
     numpy = _is_numpy(meta, target)
     sharding = None if numpy else target_sharding(target)
     boxes = [[[0, n] for n in shape]] if numpy else [
@@ -490,12 +490,16 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
 
     def build(box, dev, pool):
         parts, weightings = [], []
-        for k, (shards, centres, read) in enumerate(links):
+        for k, (shards, centres, read, obj) in enumerate(links):
             if centres is None:  # exact values: the first link only
                 def job(shards=shards, read=read):
                     return _fill(box, dtype, [(e.box, functools.partial(read, p, e)) for p, e in shards], what), None
             else:
                 job = functools.partial(_encoded, box, shards, *read, centres, meta.dtype, what)
+                whole = [(p, e) for p, e in shards if store.box_key(e.box) == store.box_key(box)]
+                if k and whole and quantize.takes_packed(math.prod(store.box_shape(box))) and \
+                        whole[0][1].segments["protected"].count == 0:
+                    job = functools.partial(_packed_link, obj, meta.keystr, *whole[0], centres, meta.dtype, job)
             parts.append(job() if pool is None else pool.submit(job))
             w = _link_weighting(box, shards, what)
             if k == 0 and w is not None:
@@ -516,6 +520,20 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
     if numpy:
         return np.asarray(build_all(boxes[0], None))
     return _make_array(shape, sharding, build_all, what)
+
+
+def _packed_link(obj, leaf: str, p: int, e: records.Shard, centres: np.ndarray, dtype: str, unpacked: Callable):
+    """A residual link of one stored shard without protected values, its codes left packed
+    (`quantize.PackedCodes`: `decode_chain` looks the values up from the packed bytes); `unpacked()` (`_encoded`,
+    which checks every code) where its stream does not pack or may hold a code past its levels."""
+    shape = store.box_shape(e.box)
+    got = obj.packed(leaf, p, e.segments["codes"], "codes", shape, quantize.chain_size(math.prod(shape)))
+    if got is None or int(got[1].max()) > centres.size:
+        return unpacked()
+    seg = e.segments["protected"]
+    none = obj.array(leaf, p, seg, "protected", jnp.dtype(seg.dtype), [0])
+    codes = quantize.PackedCodes(got[0], got[1], tuple(shape))
+    return quantize.EncodedTensor(codes, centres, none, dtype), np.zeros(0, np.int64)
 
 
 def _link_weighting(box, shards: list, what: str) -> list[np.ndarray] | None:

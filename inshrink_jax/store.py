@@ -605,6 +605,19 @@ class _Object:
                                          f"{self.id}: {e}") from None
         return raw.view(dtype).reshape(shape)
 
+    def packed(self, leaf: str, p: int, seg: records.Segment, name: str, shape, slots: int = 0) -> tuple | None:
+        """A checked code segment of `shape` left packed (`codec.packed_values`: (packed bytes with room for at
+        least `slots` codes, (256, per) codes each byte holds)), or None where its codec does not pack (read it
+        with `array`)."""
+        size = int(np.prod(shape, dtype=np.int64))
+        if seg.codec not in (codec.ZSTD_RADIX, codec.ZSTD_RANK):
+            return None
+        try:
+            return codec.packed_values(self.segment(leaf, p, seg, name), seg.codec, size, slots)
+        except codec.CodecError as e:
+            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} of object "
+                                         f"{self.id}: {e}") from None
+
 
 def box_key(box) -> tuple:
     """A shard box ([[start, stop], ...]) as a hashable key."""

@@ -649,3 +649,86 @@ def test_a_link_with_no_protected_values_but_a_protected_code_is_a_named_error()
                                       "leaf ['w']")
     local, values = clean(0, shard)
     assert local.size == 0 and values.size == 0
+
+
+@pytest.mark.parametrize("bins", [1, 2, 3, 4, 5, 6, 7, 15])
+@pytest.mark.parametrize("packing", [codec.ZSTD_RADIX, codec.ZSTD_RANK])
+def test_a_chain_of_packed_codes_decodes_bit_for_bit_as_its_codes(monkeypatch, bins, packing):
+    """`decode_chain` given a residual's codes left packed (`quantize.PackedCodes`, as a restore reads a
+    "zstd-radix" or "zstd-rank" stream: 8, 5, 4, 3 or 2 codes a byte) gives the chain of the same codes spelled
+    out, bit for bit, also where the tensor's size is not a multiple of the codes a byte and a link is weighted;
+    packed codes of the wrong size are refused."""
+    monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 1)  # small tensors unpadded, as a large one is
+    rng = np.random.default_rng(bins)
+    shape = (37, 29)
+    first = rng.normal(size=shape).astype(np.float32)
+    links, packed_links = [(first, None)], [(first, None)]
+    for k in range(5):
+        codes = rng.integers(0, bins + 1, size=shape).astype(np.uint8)  # 0 (a zero residual) .. bins
+        if k == 3:
+            codes[:] = codes.max()  # one value: "zstd-rank" of a one-value alphabet does not pack
+        centres = np.sort(rng.normal(size=bins)).astype(np.float32) * 1e-2
+        enc = quantize.EncodedTensor(codes, centres, np.zeros(0, np.float32), "float32")
+        links.append((enc, None))
+        stream = codec.compress(codes, packing)
+        got = codec.packed_values(stream, packing, codes.size, quantize.chain_size(codes.size))
+        if got is None:
+            assert packing == codec.ZSTD_RANK and np.unique(codes).size == 1
+            packed_links.append((enc, None))
+            continue
+        assert got[1].shape == (256, {2: 8, 3: 5, 4: 4, 5: 3, 6: 3}.get(len(np.unique(codes)) if packing ==
+                                                                         codec.ZSTD_RANK else codes.max() + 1, 2))
+        assert got[0].ctypes.data % 64 == 0
+        packed = quantize.PackedCodes(got[0], got[1], shape)
+        np.testing.assert_array_equal(packed.at(np.arange(codes.size)), codes.reshape(-1))
+        packed_links.append((enc._replace(codes=packed), None))
+    weightings = [None, [np.arange(37) % 3 - 1, np.zeros(29, np.int64)], None, None, None]
+    expect = np.asarray(quantize.decode_chain(links, weightings=weightings))
+    out = np.asarray(quantize.decode_chain(packed_links, weightings=weightings))
+    np.testing.assert_array_equal(out.view(np.uint32), expect.view(np.uint32))
+    enc = packed_links[1][0]
+    short = enc._replace(codes=enc.codes._replace(packed=enc.codes.packed[:-1]))
+    with pytest.raises(ValueError, match="packed codes of"):
+        quantize.decode_chain([(first, None), (short, None)])
+
+
+def test_a_large_chain_restores_from_packed_codes_as_its_saver_held(tmp_path, monkeypatch):
+    """A restore reads a residual link without protected values from its packed stream (a large tensor's: every
+    tensor here, with the chain kernels' padding threshold lowered), whole, into shards and as NumPy, bit for bit
+    the reconstruction the saving process held, the same as read code by code; packed bytes said to hold a code
+    past their link's levels are not used."""
+    monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 1)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
+    root = tmp_path / "run"
+    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(search=False, keyframe_every=6, quant=ij.QuantConfig(
+        bins=63, embedding_bins=63, protect_fraction=0.0, prune_fraction=0.0, step=1.5)))
+    mngr = ocp.CheckpointManager(root, item_handlers=handler)
+    held = []
+    for step, s in enumerate(walk(9, 4)):
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+        (_, committed), = handler._states.values()  # noqa: SLF001
+        held.append({k: np.asarray(v) for k, v in committed.result().recon.items()})
+    packed = []
+    real = store._Object.packed  # noqa: SLF001
+    monkeypatch.setattr(store._Object, "packed", lambda self, *a: packed.append(real(self, *a)) or packed[-1])  # noqa: SLF001
+    saved = manager(root).item_metadata(3)["tree"]
+    outs = [manager(root).restore(3), manager(root).restore(3, args=ij.InshrinkRestore(
+        {k: np.zeros(v.shape, v.dtype) for k, v in saved.items()})), manager(root).restore(3, args=ij.InshrinkRestore(
+            {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=split if len(v.shape) == 2 else None)
+             for k, v in saved.items()}))]
+    assert sum(p is not None for p in packed) >= 2 * 3 * 3  # w, v and b's three residuals, in each whole restore
+    monkeypatch.setattr(store._Object, "packed", lambda self, *a: None)  # noqa: SLF001
+    outs.append(manager(root).restore(3))
+    for out in outs:
+        for name in ("w", "v", "b"):
+            expect = held[3][f"['{name}']"]
+            np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), expect.view(np.uint8))
+    # Packed bytes said to hold a code past the link's levels (a crafted alphabet) are not used: the link is read
+    # code by code (`_encoded`, which checks each), here to the right values.
+    monkeypatch.setattr(store._Object, "packed", lambda self, *a: (  # noqa: SLF001
+        lambda got: None if got is None else (got[0], np.full_like(got[1], 200)))(real(self, *a)))
+    out = manager(root).restore(3)
+    for name in ("w", "v", "b"):
+        np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), held[3][f"['{name}']"].view(np.uint8))
