@@ -391,7 +391,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     xs = [p.leaves[i] for i in p.weights]
     layer_types = [p.records[i].layer_type for i in p.weights]
     previous = chain.residual_quant if residual else chain.quant
-    quant, devs, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors)
+    quant, devs, decoded, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors)
     if closed and isinstance(search_record, dict):
         search_record["coding"] = RESIDUAL if residual else KEYFRAME
     recs = list(p.records)
@@ -412,7 +412,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
         if devs is None:
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
                                              sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
-        new_recon = quantize.dequantize_all(devs, [x.dtype for x in xs]) if closed else []
+        new_recon = [] if not closed else decoded if decoded is not None else \
+            quantize.dequantize_all(devs, [x.dtype for x in xs])
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
     # its previous value, not a zero; its codes are passed with prunes False, so the kernels are a keyframe's).
     owners = p.owners if weights else [None] * len(p.moments)
@@ -489,13 +490,14 @@ def check_eval_fn(cfg: CompressionConfig, eval_fn) -> None:
 
 def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, residual: bool = False,
               factors: list | None = None):
-    """(configuration or None for lossless, its encoded leaves if the search made them, the search's record,
-    the choice the next save's search starts from). `residual`: a closed-loop residual save (the search runs
-    over `cfg.residual_space`), its weights weighted by `factors` (`residual_factors`)."""
+    """(configuration or None for lossless, its encoded leaves if the search made them, those leaves dequantized
+    if the search made them too (`search.Outcome.decoded`), the search's record, the choice the next save's
+    search starts from). `residual`: a closed-loop residual save (the search runs over `cfg.residual_space`), its
+    weights weighted by `factors` (`residual_factors`)."""
     if not p.weights:
-        return cfg.quant, None, {"mode": "none (no compressed leaves)"}, previous
+        return cfg.quant, None, None, {"mode": "none (no compressed leaves)"}, previous
     if not cfg.search:
-        return cfg.quant, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
+        return cfg.quant, None, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
                                     previous, offsets, residual, factors)
@@ -503,14 +505,15 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
         warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
                       "cannot be measured: this save stores the parameters losslessly, and the next save "
                       "searches again from the last configuration.", stacklevel=4)
-        return None, None, record, previous
+        return None, None, None, record, previous
     if outcome.quant is None and previous != search.LOSSLESS:
         budget = f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.effective_proxy_budget}"
         warnings.warn(f"no quantization configuration meets {budget} (the least aggressive one degrades by "
                       f"more); this save stores the parameters losslessly. Each later save checks the least "
                       f"aggressive configuration and compresses again once it meets the budget. A larger budget, "
                       f"or an eval_fn on more held-out data (less noise), keeps them compressed.", stacklevel=4)
-    return outcome.quant, outcome.payload, record, search.LOSSLESS if outcome.quant is None else outcome.quant
+    return (outcome.quant, outcome.payload, outcome.decoded, record,
+            search.LOSSLESS if outcome.quant is None else outcome.quant)
 
 
 def config_json(cfg: CompressionConfig) -> dict:

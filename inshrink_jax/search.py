@@ -185,6 +185,10 @@ class Outcome:
       evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
       rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
       payload: the evaluator's payload for the chosen candidate (the handler's encoded device arrays).
+      decoded: the payload's leaves dequantized, where the search made them for its own proxy only (a sampled
+        search's choice measured on the whole state: `_measured_whole`), else None: a closed-loop save keeps
+        them as its reconstruction instead of decoding the payload again (at 100M parameters a decode is 0.17 s
+        and 400 MB of fresh pages; benchmarks/results/save_pages.md).
     """
 
     quant: QuantConfig | None
@@ -193,6 +197,7 @@ class Outcome:
     evaluations: int = 0
     rounds: int = 0
     payload: Any = None
+    decoded: Any = None
 
 
 class _Evaluations:
@@ -487,22 +492,33 @@ class Evaluator:
             return 0.0 if worse <= 0 else math.inf
         return worse / abs(q0)
 
-    def __call__(self, quants: Sequence[QuantConfig], encode: bool = False) -> list[tuple[float, list]]:
-        """(degradation, payload) per candidate. `encode`: encode them even where residual candidates are
-        otherwise scored without encoding (a sampled search's choice measured on the whole state: its encoding
-        is then saved as is)."""
+    def __call__(self, quants: Sequence[QuantConfig]) -> list[tuple[float, list]]:
+        """(degradation, payload) per candidate."""
+        return [(d, devs) for d, devs, _ in self._evaluate(quants, False)]
+
+    def measure_whole(self, q: QuantConfig) -> tuple[float, list, list | None]:
+        """One candidate encoded, even where residual candidates are otherwise scored without encoding (a sampled
+        search's choice measured on the whole state: its encoding is then saved as is): (degradation, payload,
+        its leaves dequantized where only the proxy saw them (no eval_fn), else None)."""
+        [out] = self._evaluate([q], True)
+        return out
+
+    def _evaluate(self, quants: Sequence[QuantConfig], encode: bool) -> list[tuple[float, list | None, list | None]]:
+        """(degradation, payload, dequantized leaves or None) per candidate: the dequantized leaves are kept where
+        `encode` and nothing but the proxy read them."""
         if self.eval_fn is not None:
             self.measure_baseline()
         if not encode and self.eval_fn is None and self.references is not None and self.scored and all(
                 q.step > 0 and not (q.protect_fraction or q.prune_fraction or q.rate) for q in quants):
-            return self._uniform_residuals(quants)
+            return [(d, None, None) for d, _ in self._uniform_residuals(quants)]
         # Dispatch every candidate's device work first, then block on the scores together.
         sigma = None if self.references is None else quantize.RESIDUAL_SIGMA  # closed-loop residuals
         encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets,
                                              sigma=sigma, factors=self.factors) for q in quants]
-        scores, proxies = [], []
+        scores, proxies, kept = [], [], []
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
+            kept.append(deq if encode and self.eval_fn is None else None)
             if self.eval_fn is None:
                 gs = self.gs if self.references is None else self.residual_weights
                 scores.append(proxy_degradation(self.xs, deq, gs, self.references))
@@ -517,11 +533,11 @@ class Evaluator:
                     proxies.append(proxy_degradation(self.xs, deq, self.gs) if self.keyframe_floor else
                                    functools.partial(proxy_degradation, self.xs, deq, self.gs))
         if self.eval_fn is None:
-            return [(float(s), devs) for s, devs in zip(scores, encoded)]
+            return [(float(s), devs, deq) for s, devs, deq in zip(scores, encoded, kept)]
         out = [self.degradation(self._score(s)) for s in scores]
         if proxies:
             out = [self.trusted(d, p) for d, p in zip(out, proxies)]
-        return list(zip(out, encoded))
+        return list(zip(out, encoded, kept))
 
     def _uniform_residuals(self, quants: Sequence[QuantConfig]) -> list[tuple[float, None]]:
         """Closed-loop residual candidates on uniform cells (a residual space's), scored by the proxy without
@@ -708,10 +724,10 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
     starting from that choice (`search`'s `start`). Nothing feasible on the samples: the exact search decides."""
     if sampled.quant is None:
         return run_search(evaluator, None)
-    [(d, payload)] = evaluator([sampled.quant], encode=True)
+    d, payload, decoded = evaluator.measure_whole(sampled.quant)
     if d <= budget:
         return dataclasses.replace(sampled, degradation=d, evaluations=sampled.evaluations + 1,
-                                   rounds=sampled.rounds + 1, payload=payload)
+                                   rounds=sampled.rounds + 1, payload=payload, decoded=decoded)
     exact = run_search(evaluator, sampled.quant)
     return dataclasses.replace(exact, evaluations=exact.evaluations + sampled.evaluations + 1,
                                rounds=exact.rounds + sampled.rounds + 1)

@@ -732,3 +732,30 @@ def test_a_large_chain_restores_from_packed_codes_as_its_saver_held(tmp_path, mo
     out = manager(root).restore(3)
     for name in ("w", "v", "b"):
         np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), held[3][f"['{name}']"].view(np.uint8))
+
+
+def test_a_sampled_residual_search_keeps_its_measured_decode_as_the_reconstruction(tmp_path, monkeypatch):
+    """A large state's residual save (searched on row samples, its choice measured whole: search._measured_whole)
+    keeps the decode it measured as its reconstruction, not a second decode: the saver decodes the residuals once,
+    and each step restores bit for bit to what it held."""
+    monkeypatch.setattr(ij.search, "SCORED_WITHOUT_ENCODING", 1000)
+    monkeypatch.setattr(ij.search, "SEARCH_SAMPLE", 512)
+    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=4))
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=handler)
+    decodes = []
+    real = quantize.dequantize_all
+    monkeypatch.setattr(quantize, "dequantize_all", lambda devs, *a: decodes.append(len(devs)) or real(devs, *a))
+    held = []
+    for step, s in enumerate(walk(13, 3)):
+        decodes.clear()
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+        (_, committed), = handler._states.values()  # noqa: SLF001
+        held.append({k: np.asarray(v) for k, v in committed.result().recon.items()})
+        if step:
+            assert "sampled" in mngr.item_metadata(step)["search"] and mngr.item_metadata(step)["kind"] == "delta"
+            assert [n for n in decodes if n] == [3]  # the measured choice's w, v and b (a small parameter), once
+    for step in range(3):
+        out = manager(tmp_path).restore(step)
+        for name in ("w", "v", "b"):
+            np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), held[step][f"['{name}']"].view(np.uint8))

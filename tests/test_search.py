@@ -737,11 +737,15 @@ def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measure
     outcome, record = run()
     assert "sampled" in record
     if misled:  # the exact search's choice, scored without encoding (encoded when saved)
-        assert outcome.payload is None and outcome.degradation <= cfg.effective_residual_budget
+        assert outcome.payload is None and outcome.decoded is None
+        assert outcome.degradation <= cfg.effective_residual_budget
     else:
-        whole = float(search.proxy_degradation(
-            xs, quantize.dequantize_all(outcome.payload, [x.dtype for x in xs]), [None] * 3, offs))
+        decoded = quantize.dequantize_all(outcome.payload, [x.dtype for x in xs])
+        whole = float(search.proxy_degradation(xs, decoded, [None] * 3, offs))
         assert outcome.degradation == pytest.approx(whole, rel=1e-6) and whole <= cfg.effective_residual_budget
+        # Its decoded leaves come with it (the save keeps them as its reconstruction), bit for bit a decode's.
+        for kept, again in zip(outcome.decoded, decoded):
+            np.testing.assert_array_equal(np.asarray(kept).view(np.uint32), np.asarray(again).view(np.uint32))
     monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 30)  # the exact search
     exact, exact_record = run()
     assert "sampled" not in exact_record and outcome.quant == exact.quant and exact.quant.step == 1.5
