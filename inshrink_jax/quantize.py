@@ -894,9 +894,15 @@ _CHAIN_PADDED_BELOW = 1 << 20
 _CHAIN_MIN = 1 << 10
 
 
-# A larger tensor's chain is decoded padded to a multiple of this: the codes a byte of packed codes holds (2, 3, 4,
-# 5 or 8; `PackedCodes`) each divide it, so a packed link's values are its bytes' looked-up rows laid end to end.
-# (Laid end to end and then cut to the tensor's length, XLA's CPU backend computed them 3x slower: ad hoc.)
+# A chain of a tensor of at least this many elements takes its residuals' packed code streams as they are
+# (`PackedCodes`), decoded padded to a multiple of `PACKED_MULTIPLE`: the codes a byte holds (2, 3, 4, 5 or 8)
+# each divide it, so a packed link's values are its bytes' looked-up rows laid end to end (laid end to end and then
+# cut to the tensor's length, XLA's CPU backend computed them 3x slower: ad hoc). Below it the host spells the
+# codes out: each mix of codes a byte in a group of links is a kernel to compile, and on the 10M-parameter chain
+# of benchmarks/results/handler.md (tensors of 2.5M) a new process's first deep restore took 0.73-0.94 s packed
+# against 0.49-0.60 s spelled out (the persistent compilation cache on or off: these kernels compile in under
+# its 0.1 s threshold), where at 100M (tensors of 25M) 1.52-1.68 s against 2.05-2.44 s (ad-hoc A/B runs).
+_PACKED_FROM = 1 << 23
 PACKED_MULTIPLE = 120
 
 
@@ -904,13 +910,13 @@ def chain_size(n: int) -> int:
     """The length `decode_chain`'s kernels work on for a tensor of `n` elements."""
     if takes_packed(n):
         return -(-n // PACKED_MULTIPLE) * PACKED_MULTIPLE
-    return max(_CHAIN_MIN, 1 << max(n - 1, 0).bit_length())
+    return n if n >= _CHAIN_PADDED_BELOW else max(_CHAIN_MIN, 1 << max(n - 1, 0).bit_length())
 
 
 def takes_packed(n: int) -> bool:
     """Whether `decode_chain` takes a residual's codes of a tensor of `n` elements as `PackedCodes` (holding
     `chain_size(n)` codes: `codec.packed_values(..., slots=chain_size(n))`)."""
-    return n >= _CHAIN_PADDED_BELOW
+    return n >= _PACKED_FROM
 
 
 def _fit(x: jax.Array, size: int) -> jax.Array:
@@ -991,8 +997,8 @@ def decode_chain(links: Sequence, device=None,
     if isinstance(first, EncodedTensor) and isinstance(first.codes, PackedCodes):
         raise ValueError("a chain's first link takes its codes as an array, not packed")
     if isinstance(first, EncodedTensor):
-        # A large tensor's codes are padded in the kernel (a copy on the host otherwise), a residual's on the host:
-        # padded in the kernel, they made the residuals' kernel 2.5x slower on XLA's CPU backend (ad hoc).
+        # A packed chain's keyframe codes are padded in the kernel (a copy on the host otherwise), a residual's on
+        # the host: padded in the kernel, they made the residuals' kernel 2.5x slower on XLA's CPU backend (ad hoc).
         codes = first.codes.reshape(-1) if takes_packed(n) else _flat(first.codes, size_n)
         out = _chain_start(*put([codes, _table(first, dtype)]), size=size_n)
     else:
@@ -1008,7 +1014,7 @@ def decode_chain(links: Sequence, device=None,
                                                      e.codes.packed.size * e.codes.rows.shape[1] != size_n):
                 raise ValueError(f"packed codes of {e.codes.packed.size} bytes of {e.codes.rows.shape[1]} codes "
                                  f"for a tensor of {n} values (the chain kernels take {size_n} codes, of a tensor "
-                                 f"of at least {_CHAIN_PADDED_BELOW})")
+                                 f"of at least {_PACKED_FROM})")
         ks = exps[g:g + CHAIN_GROUP]
         # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
         host = [[e.codes.packed if isinstance(e.codes, PackedCodes) else _flat(e.codes, size_n) for e in group],

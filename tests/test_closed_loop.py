@@ -658,7 +658,7 @@ def test_a_chain_of_packed_codes_decodes_bit_for_bit_as_its_codes(monkeypatch, b
     "zstd-radix" or "zstd-rank" stream: 8, 5, 4, 3 or 2 codes a byte) gives the chain of the same codes spelled
     out, bit for bit, also where the tensor's size is not a multiple of the codes a byte and a link is weighted;
     packed codes of the wrong size are refused."""
-    monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 1)  # small tensors unpadded, as a large one is
+    monkeypatch.setattr(quantize, "_PACKED_FROM", 1)  # a small tensor takes packed codes, as one of 8M+ values
     rng = np.random.default_rng(bins)
     shape = (37, 29)
     first = rng.normal(size=shape).astype(np.float32)
@@ -694,10 +694,10 @@ def test_a_chain_of_packed_codes_decodes_bit_for_bit_as_its_codes(monkeypatch, b
 
 def test_a_large_chain_restores_from_packed_codes_as_its_saver_held(tmp_path, monkeypatch):
     """A restore reads a residual link without protected values from its packed stream (a large tensor's: every
-    tensor here, with the chain kernels' padding threshold lowered), whole, into shards and as NumPy, bit for bit
+    tensor here, with the threshold lowered), whole, into shards and as NumPy, bit for bit
     the reconstruction the saving process held, the same as read code by code; packed bytes said to hold a code
     past their link's levels are not used."""
-    monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 1)
+    monkeypatch.setattr(quantize, "_PACKED_FROM", 1)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", "y"))
     root = tmp_path / "run"

@@ -277,9 +277,9 @@ def test_without_protection_the_kernel_skips_the_protect_pass_and_encodes_the_sa
 @pytest.mark.parametrize("shape", [(37, 29), (32, 32), (5,)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype, monkeypatch):
-    """A small tensor's chain is decoded padded to a power of two (fewer kernel sizes to compile), a large one's to
-    a multiple of `PACKED_MULTIPLE` (its arrays padded in the kernels): the result is the link-by-link sum of
-    levels and protected values in the save's formula (plus_offset) either way."""
+    """A small tensor's chain is decoded padded to a power of two (fewer kernel sizes to compile), a large one's as
+    it is, and one that takes packed codes to a multiple of `PACKED_MULTIPLE`: the result is the link-by-link sum
+    of levels and protected values in the save's formula (plus_offset) each way."""
     rng = np.random.default_rng(0)
     n, bins = int(np.prod(shape)), 6
 
@@ -300,8 +300,11 @@ def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype
                                                                        jnp.dtype(dtype)))
     padded = quantize.decode_chain([(e, None) for e in links])
     monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 0)
-    assert quantize.takes_packed(n) and quantize.chain_size(n) == -(-n // 120) * 120
+    assert quantize.chain_size(n) == n and not quantize.takes_packed(n)
     plain = quantize.decode_chain([(e, None) for e in links])
-    for out in (padded, plain):
+    monkeypatch.setattr(quantize, "_PACKED_FROM", 0)
+    assert quantize.takes_packed(n) and quantize.chain_size(n) == -(-n // 120) * 120
+    to_120 = quantize.decode_chain([(e, None) for e in links])
+    for out in (padded, plain, to_120):
         assert out.shape == shape and out.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expect.reshape(shape).view(np.uint8))
