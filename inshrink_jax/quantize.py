@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 import re
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -860,6 +861,27 @@ def _chain_start(codes, table, *, size):
     return _fit(table[codes], size)
 
 
+def _link_values(codes, table, exps) -> jax.Array:
+    """A residual link's values (float32, flat): its codes (or packed bytes) looked up in its table, times its
+    weighting's 2^K where `exps` is not None."""
+    r = table[codes]
+    if r.ndim == 2:  # packed: each byte's values, in position order
+        r = r.reshape(-1)
+    return r if exps is None else weighting.times_multiplier(r, exps)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
+def _chain_sum(a, codes, tables, *, dtype):
+    """`a` plus each unweighted link's residual (`codes` and `tables` as for `_chain_group`, one entry per link,
+    every one used), rounded to `dtype` link by link, without the formula's replacement of a non-finite `a` by 0:
+    the same values as `_chain_group` wherever every sum stays finite (`_add_links` makes sure they do)."""
+    for i in range(len(codes)):
+        a = (_link_values(codes[i], tables[i], None) + a.astype(jnp.float32)).astype(dtype)
+        if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
+            a = jax.lax.optimization_barrier(a)
+    return a
+
+
 @functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
 def _chain_group(a, codes, tables, used, exps, *, dtype):
     """`a` plus each of `CHAIN_GROUP` links' residuals where `used`, per link the formula of the save
@@ -870,11 +892,7 @@ def _chain_group(a, codes, tables, used, exps, *, dtype):
     hold one entry per link. The codes stay separate arrays: stacking a group's links on the host would copy every
     code once more."""
     for i in range(CHAIN_GROUP):
-        r = tables[i][codes[i]]
-        if r.ndim == 2:  # packed: each byte's values, in position order
-            r = r.reshape(-1)
-        if exps is not None:
-            r = weighting.times_multiplier(r, exps[i])
+        r = _link_values(codes[i], tables[i], None if exps is None else exps[i])
         a = jnp.where(used[i], plus_offset(r, a, dtype), a)
         if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
             a = jax.lax.optimization_barrier(a)
@@ -940,6 +958,67 @@ def _shaped(a: jax.Array, *, shape: tuple) -> jax.Array:
     return a[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
 
 
+def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size_n: int, dtype,
+               put: Callable) -> jax.Array:
+    """`decode_chain`'s kernels: the first link's values, then each residual added, `CHAIN_GROUP` links a call
+    (`upto(k)`: the first k links, waited for). Flat, `size_n` long; the protected positions not yet put in.
+
+    The save's formula replaces a non-finite sum by 0 before the next link is added (`plus_offset`). A packed
+    chain's group of unweighted links is added by plain sums instead (`_chain_sum`: with the replacement, XLA's CPU
+    backend added packed links 3x slower, ad hoc) where no sum can leave the finite range: where the first link's
+    largest magnitude plus every link's largest level so far stays within half the dtype's largest value, the
+    values are the formula's bit for bit. Otherwise (an exact first link holding an Inf, levels that could
+    overflow, a weighted link) that group and the later ones use the formula (`_chain_group`)."""
+    f32, n = np.dtype(np.float32), math.prod(shape)
+    limit = float(jnp.finfo(dtype).max) / 2
+    if not takes_packed(n):
+        bound = math.inf
+    elif isinstance(first, EncodedTensor):
+        bound = float(np.abs(_table(first, f32)).max())
+    else:
+        bound = float(np.abs(np.asarray(first, f32)).max()) if np.size(first) else 0.0  # Inf or NaN: not < limit
+    if isinstance(first, EncodedTensor):
+        # A packed chain's keyframe codes are padded in the kernel (a copy on the host otherwise), a residual's on
+        # the host: padded in the kernel, they made the residuals' kernel 2.5x slower on XLA's CPU backend (ad hoc).
+        codes = first.codes.reshape(-1) if takes_packed(n) else _flat(first.codes, size_n)
+        out = _chain_start(*put([codes, _table(first, dtype)]), size=size_n)
+    else:
+        out = put(_flat(np.asarray(first), size_n, copy=True))  # a copy: the kernels below update it in place
+    for g in range(0, count, CHAIN_GROUP):
+        group = upto(1 + min(g + CHAIN_GROUP, count))[1 + g:]
+        for e in group:
+            if not isinstance(e, EncodedTensor):
+                raise ValueError("corrupt chain: a link after the first holds exact values, not a residual")
+            if tuple(e.codes.shape) != shape:
+                raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape {shape}")
+            if isinstance(e.codes, PackedCodes) and (not takes_packed(n) or e.codes.rows.shape[0] != 256 or
+                                                     e.codes.packed.size * e.codes.rows.shape[1] != size_n):
+                raise ValueError(f"packed codes of {e.codes.packed.size} bytes of {e.codes.rows.shape[1]} codes "
+                                 f"for a tensor of {n} values (the chain kernels take {size_n} codes, of a tensor "
+                                 f"of at least {_PACKED_FROM})")
+        ks = exps[g:g + CHAIN_GROUP]
+        # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
+        host = [[e.codes.packed if isinstance(e.codes, PackedCodes) else _flat(e.codes, size_n) for e in group],
+                [_table(e, f32)[e.codes.rows] if isinstance(e.codes, PackedCodes) else _table(e, f32)
+                 for e in group],
+                np.arange(CHAIN_GROUP) < len(group)]
+        weighted = any(k is not None for k in ks)
+        if weighted:
+            zero = np.zeros(size_n, np.int8)
+            host.append([zero if k is None else _flat(k, size_n) for k in ks] + [zero])
+        on_device = put(host)
+        pad = CHAIN_GROUP - len(group)
+        exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
+        bound = math.inf if weighted else bound + sum(float(np.abs(_table(e, f32)).max()) for e in group)
+        if not bound < limit:
+            out = _chain_group(out, tuple(on_device[0]) + (on_device[0][-1],) * pad,
+                               tuple(on_device[1]) + (on_device[1][-1],) * pad, on_device[2], exps_dev,
+                               dtype=jnp.dtype(dtype))
+        else:
+            out = _chain_sum(out, tuple(on_device[0]), tuple(on_device[1]), dtype=jnp.dtype(dtype))
+    return out
+
+
 def decode_chain(links: Sequence, device=None,
                  weightings: Sequence[Sequence[np.ndarray] | None] | None = None) -> jax.Array:
     """A closed-loop chain decoded: its first link (a keyframe's encoded tensor, or the exact values of a lossless
@@ -996,41 +1075,7 @@ def decode_chain(links: Sequence, device=None,
         return put(np.asarray(first))  # a lossless first link alone: its exact values
     if isinstance(first, EncodedTensor) and isinstance(first.codes, PackedCodes):
         raise ValueError("a chain's first link takes its codes as an array, not packed")
-    if isinstance(first, EncodedTensor):
-        # A packed chain's keyframe codes are padded in the kernel (a copy on the host otherwise), a residual's on
-        # the host: padded in the kernel, they made the residuals' kernel 2.5x slower on XLA's CPU backend (ad hoc).
-        codes = first.codes.reshape(-1) if takes_packed(n) else _flat(first.codes, size_n)
-        out = _chain_start(*put([codes, _table(first, dtype)]), size=size_n)
-    else:
-        out = put(_flat(np.asarray(first), size_n, copy=True))  # a copy: the kernels below update it in place
-    for g in range(0, count, CHAIN_GROUP):
-        group = upto(1 + min(g + CHAIN_GROUP, count))[1 + g:]
-        for e in group:
-            if not isinstance(e, EncodedTensor):
-                raise ValueError("corrupt chain: a link after the first holds exact values, not a residual")
-            if tuple(e.codes.shape) != shape:
-                raise ValueError(f"corrupt chain: a link of shape {e.codes.shape} on a tensor of shape {shape}")
-            if isinstance(e.codes, PackedCodes) and (not takes_packed(n) or e.codes.rows.shape[0] != 256 or
-                                                     e.codes.packed.size * e.codes.rows.shape[1] != size_n):
-                raise ValueError(f"packed codes of {e.codes.packed.size} bytes of {e.codes.rows.shape[1]} codes "
-                                 f"for a tensor of {n} values (the chain kernels take {size_n} codes, of a tensor "
-                                 f"of at least {_PACKED_FROM})")
-        ks = exps[g:g + CHAIN_GROUP]
-        # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
-        host = [[e.codes.packed if isinstance(e.codes, PackedCodes) else _flat(e.codes, size_n) for e in group],
-                [_table(e, f32)[e.codes.rows] if isinstance(e.codes, PackedCodes) else _table(e, f32)
-                 for e in group],
-                np.arange(CHAIN_GROUP) < len(group)]
-        weighted = any(k is not None for k in ks)
-        if weighted:
-            zero = np.zeros(size_n, np.int8)
-            host.append([zero if k is None else _flat(k, size_n) for k in ks] + [zero])
-        on_device = put(host)
-        pad = CHAIN_GROUP - len(group)
-        exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
-        out = _chain_group(out, tuple(on_device[0]) + (on_device[0][-1],) * pad,
-                           tuple(on_device[1]) + (on_device[1][-1],) * pad, on_device[2], exps_dev,
-                           dtype=jnp.dtype(dtype))
+    out = _add_links(first, upto, count, exps, shape, size_n, dtype, put)
     encoded = [(e, p) for e, p in got if isinstance(e, EncodedTensor)]
     positions = [_checked_positions(e, p) for e, p in encoded]
     # Every protected position once (`at`, ascending), and where each link's positions are in it (`where`): a

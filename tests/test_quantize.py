@@ -308,3 +308,42 @@ def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype
     for out in (padded, plain, to_120):
         assert out.shape == shape and out.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expect.reshape(shape).view(np.uint8))
+
+
+@pytest.mark.parametrize("case", ["an Inf in the exact first link", "a sum that overflows"])
+def test_a_large_chain_whose_sums_leave_the_finite_range_decodes_by_the_formula(case, monkeypatch):
+    """A large tensor's chain is added by plain sums (`quantize._chain_sum`) only where no sum can leave the finite
+    range; an exact first link holding an Inf, or levels whose sum could overflow, are added by the save's formula
+    (non-finite offsets replaced by 0): the result is the formula's, bit for bit."""
+    rng = np.random.default_rng(3)
+    shape = (23, 31)
+    first = rng.normal(size=shape).astype(np.float32)
+    if case.startswith("an Inf"):
+        first[2, 5] = np.inf
+    else:
+        first[4, 4] = np.finfo(np.float32).max
+    links = [(first, None)]
+    for _ in range(6):
+        codes = rng.integers(0, 4, size=shape).astype(np.uint8)
+        centres = np.array([-1.0, 1.0, 3e38], np.float32) if case.endswith("overflows") else \
+            np.sort(rng.normal(size=3)).astype(np.float32)
+        links.append((quantize.EncodedTensor(codes, centres, np.zeros(0, np.float32), "float32"), None))
+    exact = np.asarray(quantize.decode_chain(links))  # a small tensor: the formula's kernels
+    monkeypatch.setattr(quantize, "_PACKED_FROM", 1)
+    calls = []
+    for name in ("_chain_sum", "_chain_group"):
+        monkeypatch.setattr(quantize, name, lambda *a, real=getattr(quantize, name), name=name, **k: calls.append(
+            name) or real(*a, **k))
+    out = np.asarray(quantize.decode_chain(links))
+    assert calls == ["_chain_group"] * 2
+    np.testing.assert_array_equal(out.view(np.uint32), exact.view(np.uint32))
+    # Levels within range: plain sums, the same values as the formula's.
+    links = [(np.clip(first, -10, 10), None)] + [
+        (e._replace(centres=np.array([-1.0, 0.5, 2.0], np.float32)), None) for e, _ in links[1:]]
+    monkeypatch.setattr(quantize, "_PACKED_FROM", 1 << 40)
+    exact = np.asarray(quantize.decode_chain(links))
+    calls.clear()
+    monkeypatch.setattr(quantize, "_PACKED_FROM", 1)
+    out = np.asarray(quantize.decode_chain(links))
+    assert calls == ["_chain_sum"] * 2
+    np.testing.assert_array_equal(out.view(np.uint32), exact.view(np.uint32))
