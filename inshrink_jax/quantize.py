@@ -966,11 +966,13 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
     The save's formula replaces a non-finite sum by 0 before the next link is added (`plus_offset`). A packed
     chain's group of unweighted links is added by plain sums instead (`_chain_sum`: with the replacement, XLA's CPU
     backend added packed links 3x slower, ad hoc) where no sum can leave the finite range: where the first link's
-    largest magnitude plus every link's largest level so far stays within half the dtype's largest value, the
-    values are the formula's bit for bit. Otherwise (an exact first link holding an Inf, levels that could
-    overflow, a weighted link) that group and the later ones use the formula (`_chain_group`)."""
+    largest magnitude plus every link's largest level so far stays within half the dtype's largest value (less
+    the most that rounding each of the chain's sums can add), the values are the formula's bit for bit.
+    Otherwise (an exact first link holding an Inf, levels that could overflow, a weighted link) that group and
+    the later ones use the formula (`_chain_group`)."""
     f32, n = np.dtype(np.float32), math.prod(shape)
-    limit = float(jnp.finfo(dtype).max) / 2
+    info = jnp.finfo(dtype)
+    limit = float(info.max) / 2 / (1 + float(info.eps)) ** (count + 1)
     if not takes_packed(n):
         bound = math.inf
     elif isinstance(first, EncodedTensor):

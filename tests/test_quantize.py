@@ -2,8 +2,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from inshrink_jax import CompressionConfig, QuantConfig, quantize, threshold
+from inshrink_jax import CompressionConfig, QuantConfig, codec, quantize, threshold
 
 CFG = CompressionConfig()
 
@@ -347,3 +348,38 @@ def test_a_large_chain_whose_sums_leave_the_finite_range_decodes_by_the_formula(
     out = np.asarray(quantize.decode_chain(links))
     assert calls == ["_chain_sum"] * 2
     np.testing.assert_array_equal(out.view(np.uint32), exact.view(np.uint32))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(["float32", "bfloat16", "float16"]), st.integers(1, 9), st.sampled_from([-3, 0, 3, 4.5, 38]),
+       st.booleans(), st.booleans(), st.integers(0, 2**31 - 1))
+def test_a_chain_by_plain_sums_is_the_formulas_bit_for_bit(dtype, links, scale, keyframe, packed, seed):
+    """Whatever the dtype, the chain's length and its levels' magnitude (up to sums that overflow float16 or
+    float32), a chain decoded the way a large tensor's is (plain sums where the host's bound allows, packed codes
+    or not) is bit for bit the chain decoded by the save's formula."""
+    rng = np.random.default_rng(seed)
+    shape, bins = (7, 11), 5
+    n = shape[0] * shape[1]
+    if keyframe:
+        first = quantize.EncodedTensor(rng.integers(0, bins + 1, shape).astype(np.uint8),
+                                       np.sort(rng.normal(size=bins)).astype(np.float32) * 10.0 ** scale,
+                                       np.zeros(0, np.float32), dtype)
+    else:
+        first = np.asarray(jnp.asarray(rng.normal(size=shape) * 10.0 ** scale, dtype))
+    chain = [(first, None)]
+    for _ in range(links):
+        codes = rng.integers(0, bins + 1, shape).astype(np.uint8)
+        chain.append((quantize.EncodedTensor(codes, np.sort(rng.normal(size=bins)).astype(np.float32)
+                                             * 10.0 ** scale, np.zeros(0, np.float32), dtype), None))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(quantize, "_PACKED_FROM", 1 << 40)
+        expect = np.asarray(quantize.decode_chain(chain))
+        m.setattr(quantize, "_PACKED_FROM", 1)
+        if packed:
+            for k in range(1, len(chain)):
+                e = chain[k][0]
+                got = codec.packed_values(codec.compress(e.codes, codec.ZSTD_RADIX), codec.ZSTD_RADIX, n,
+                                          quantize.chain_size(n))
+                chain[k] = (e._replace(codes=quantize.PackedCodes(got[0], got[1], shape)), None)
+        out = np.asarray(quantize.decode_chain(chain))
+    np.testing.assert_array_equal(out.view(np.uint8), expect.view(np.uint8))
