@@ -917,9 +917,10 @@ _CHAIN_MIN = 1 << 10
 # each divide it, so a packed link's values are its bytes' looked-up rows laid end to end (laid end to end and then
 # cut to the tensor's length, XLA's CPU backend computed them 3x slower: ad hoc). Below it the host spells the
 # codes out: each mix of codes a byte in a group of links is a kernel to compile, and on the 10M-parameter chain
-# of benchmarks/results/handler.md (tensors of 2.5M) a new process's first deep restore took 0.73-0.94 s packed
-# against 0.49-0.60 s spelled out (the persistent compilation cache on or off: these kernels compile in under
-# its 0.1 s threshold), where at 100M (tensors of 25M) 1.52-1.68 s against 2.05-2.44 s (ad-hoc A/B runs).
+# of benchmarks/results/handler.md (tensors of 2.5M) a new process's first deep restore took 0.53-0.63 s packed
+# against 0.48-0.52 s spelled out (these kernels compile in under the persistent compilation cache's 0.1 s
+# threshold), though a warm one 0.10-0.12 s against 0.15-0.20 s; at 100M (tensors of 25M) packing won both
+# (ad-hoc A/B runs; docs/results.md). A resumed job restores once, in a new process.
 _PACKED_FROM = 1 << 23
 PACKED_MULTIPLE = 120
 
