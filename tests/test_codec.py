@@ -307,3 +307,43 @@ def test_unpacking_digits_through_the_table_equals_digit_arithmetic(base):
         out = codec._unpack(packed, base, size, alphabet.tobytes())
         assert out.dtype == np.uint8 and (out.ctypes.data % 64 == 0 or size == 0), size
         assert np.array_equal(out, alphabet[codec._digits(packed, base, size)])
+
+
+@hypothesis.settings(deadline=None)
+@hypothesis.given(st.integers(1, 5000), st.integers(1, 15), st.integers(0, 2**31 - 1), st.integers(0, 300),
+                  st.sampled_from([codec.ZSTD_RADIX, codec.ZSTD_RANK]))
+def test_a_stream_left_packed_holds_the_values_it_decodes_to(n, top, seed, slack, which):
+    """`codec.packed_values`: value i of a "zstd-radix" or "zstd-rank" stream is rows[packed[i // per], i % per],
+    exactly what `decompress` gives; the packed bytes are 64-byte aligned and hold at least `slots` values, those
+    past the stream's zeros; a rank stream of one value (ranks in another base) and other codecs are None."""
+    values = np.random.default_rng(seed).integers(0, top + 1, n).astype(np.uint8)
+    blob = codec.compress(values, which)
+    got = codec.packed_values(blob, which, n, n + slack)
+    if which == codec.ZSTD_RANK and np.unique(values).size == 1:
+        assert got is None
+        return
+    packed, rows = got
+    per = rows.shape[1]
+    assert rows.shape == (256, per) and packed.ctypes.data % 64 == 0
+    assert packed.size == max(-(-n // per), -(-(n + slack) // per)) and not packed[-(-n // per):].any()
+    i = np.arange(n)
+    assert np.array_equal(rows[packed[i // per], i % per], np.frombuffer(codec.decompress(blob, which, n), np.uint8))
+    assert codec.packed_values(codec.compress(values, codec.ZSTD), codec.ZSTD, n) is None
+
+
+def test_a_stream_left_packed_with_a_bad_header_or_digit_is_refused():
+    values = np.array([0, 1, 2, 3, 4, 5] * 50, np.uint8)
+    blob = codec.compress(values, codec.ZSTD_RADIX)
+    with pytest.raises(codec.CodecError, match="states 300 values; expected 299"):
+        codec.packed_values(blob, codec.ZSTD_RADIX, 299)
+    with pytest.raises(codec.CodecError, match="base"):
+        codec.packed_values(b"\x11" + blob[1:], codec.ZSTD_RADIX, 300)
+    forged = bytes([6]) + blob[1:9] + codec.compress(np.full(100, 250, np.uint8), codec.ZSTD)  # 250 >= 6**3
+    with pytest.raises(codec.CodecError, match="digits"):
+        codec.packed_values(forged, codec.ZSTD_RADIX, 300)
+    short = bytes([6]) + blob[1:9] + codec.compress(np.zeros(99, np.uint8), codec.ZSTD)  # 300 values need 100
+    with pytest.raises(codec.CodecError, match="expected 100"):
+        codec.packed_values(short, codec.ZSTD_RADIX, 300)
+    rank = codec.compress(values, codec.ZSTD_RANK)
+    with pytest.raises(codec.CodecError, match="alphabet"):
+        codec.packed_values(b"\x00" + rank[1:], codec.ZSTD_RANK, 300)
