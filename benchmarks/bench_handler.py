@@ -89,17 +89,7 @@ def chain_restore(state, tmp, depth, repeats, config: dict):
     path = os.path.join(tmp, "chain")
     cfg = ij.CompressionConfig(keyframe_every=depth + 1, **config)
     mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(cfg))
-    key = jax.random.PRNGKey(0)
-    save_s = []
-    for step in range(depth + 1):
-        jax.block_until_ready(state)  # the drift's device work is not the save's
-        t0 = time.perf_counter()
-        mngr.save(step, args=ij.InshrinkSave(state))
-        mngr.wait_until_finished()
-        save_s.append(time.perf_counter() - t0)
-        key, sub = jax.random.split(key)
-        state = jax.tree.map(lambda x: x + 1e-3 * jax.numpy.std(x) * jax.random.normal(sub, x.shape), state)
-    mngr.wait_until_finished()
+    state, save_s = save_chain(mngr, state, depth)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     kinds = [(mngr.item_metadata(s)["kind"], mngr.item_metadata(s)["chain_depth"]) for s in (0, depth)]
     assert kinds == [("keyframe", 0), ("delta", depth)], kinds
@@ -116,6 +106,24 @@ def chain_restore(state, tmp, depth, repeats, config: dict):
     mngr.close()
     shutil.rmtree(path)
     return times[0], times[depth], sizes, save_s
+
+
+def save_chain(mngr, state, depth: int):
+    """Steps 0..`depth` of `state` saved through `mngr`, each save followed by a drift of every weight by 1e-3 of
+    its tensor's std (as training moves weights between checkpoints): (the last state, each save's seconds from
+    save() until written)."""
+    key = jax.random.PRNGKey(0)
+    save_s = []
+    for step in range(depth + 1):
+        jax.block_until_ready(state)  # the drift's device work is not the save's
+        t0 = time.perf_counter()
+        mngr.save(step, args=ij.InshrinkSave(state))
+        mngr.wait_until_finished()
+        save_s.append(time.perf_counter() - t0)
+        key, sub = jax.random.split(key)
+        state = jax.tree.map(lambda x: x + 1e-3 * jax.numpy.std(x) * jax.random.normal(sub, x.shape), state)
+    mngr.wait_until_finished()
+    return state, save_s
 
 
 def synthetic(n: int, seed: int = 0) -> dict:

@@ -914,13 +914,11 @@ _CHAIN_MIN = 1 << 10
 
 # A chain of a tensor of at least this many elements takes its residuals' packed code streams as they are
 # (`PackedCodes`), decoded padded to a multiple of `PACKED_MULTIPLE`: the codes a byte holds (2, 3, 4, 5 or 8)
-# each divide it, so a packed link's values are its bytes' looked-up rows laid end to end (laid end to end and then
-# cut to the tensor's length, XLA's CPU backend computed them 3x slower: ad hoc). Below it the host spells the
-# codes out: each mix of codes a byte in a group of links is a kernel to compile, and on the 10M-parameter chain
-# of benchmarks/results/handler.md (tensors of 2.5M) a new process's first deep restore took 0.53-0.63 s packed
-# against 0.48-0.52 s spelled out (these kernels compile in under the persistent compilation cache's 0.1 s
-# threshold), though a warm one 0.10-0.12 s against 0.15-0.20 s; at 100M (tensors of 25M) packing won both
-# (ad-hoc A/B runs; docs/results.md). A resumed job restores once, in a new process.
+# each divide it, so a packed link's values are its bytes' looked-up rows laid end to end, with no cut to the
+# tensor's length inside the kernel. Below it the host spells the codes out: each mix of codes a byte in a group
+# of links is a kernel to compile, and with every tensor of a 10M-parameter chain (2.5M values) packed, a new
+# process's first deep restore was slower, the warm ones faster; at 100M packing won both
+# (benchmarks/results/restore_packed.md). A resumed job restores once, in a new process.
 _PACKED_FROM = 1 << 23
 PACKED_MULTIPLE = 120
 
@@ -966,7 +964,8 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
 
     The save's formula replaces a non-finite sum by 0 before the next link is added (`plus_offset`). A packed
     chain's group of unweighted links is added by plain sums instead (`_chain_sum`: with the replacement, XLA's CPU
-    backend added packed links 3x slower, ad hoc) where no sum can leave the finite range: where the first link's
+    backend adds packed links 3-4x slower; benchmarks/results/restore_packed.md) where no sum can leave the finite
+    range: where the first link's
     largest magnitude plus every link's largest level so far stays within half the dtype's largest value (less
     the most that rounding each of the chain's sums can add), the values are the formula's bit for bit.
     Otherwise (an exact first link holding an Inf, levels that could overflow, a weighted link) that group and
@@ -982,7 +981,7 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
         bound = float(np.abs(np.asarray(first, f32)).max()) if np.size(first) else 0.0  # Inf or NaN: not < limit
     if isinstance(first, EncodedTensor):
         # A packed chain's keyframe codes are padded in the kernel (a copy on the host otherwise), a residual's on
-        # the host: padded in the kernel, they made the residuals' kernel 2.5x slower on XLA's CPU backend (ad hoc).
+        # the host (padded inside the residuals' kernel, they slowed it on XLA's CPU backend).
         codes = first.codes.reshape(-1) if takes_packed(n) else _flat(first.codes, size_n)
         out = _chain_start(*put([codes, _table(first, dtype)]), size=size_n)
     else:
@@ -1001,9 +1000,9 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
                                  f"of at least {_PACKED_FROM})")
         ks = exps[g:g + CHAIN_GROUP]
         # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
+        tables = [_table(e, f32) for e in group]
         host = [[e.codes.packed if isinstance(e.codes, PackedCodes) else _flat(e.codes, size_n) for e in group],
-                [_table(e, f32)[e.codes.rows] if isinstance(e.codes, PackedCodes) else _table(e, f32)
-                 for e in group],
+                [t[e.codes.rows] if isinstance(e.codes, PackedCodes) else t for e, t in zip(group, tables)],
                 np.arange(CHAIN_GROUP) < len(group)]
         weighted = any(k is not None for k in ks)
         if weighted:
@@ -1012,7 +1011,7 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
         on_device = put(host)
         pad = CHAIN_GROUP - len(group)
         exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
-        bound = math.inf if weighted else bound + sum(float(np.abs(_table(e, f32)).max()) for e in group)
+        bound = math.inf if weighted else bound + sum(float(np.abs(t).max()) for t in tables)
         if not bound < limit:
             out = _chain_group(out, tuple(on_device[0]) + (on_device[0][-1],) * pad,
                                tuple(on_device[1]) + (on_device[1][-1],) * pad, on_device[2], exps_dev,

@@ -598,22 +598,25 @@ class _Object:
         `shape` x `dtype` (nothing larger is allocated), as an array of that shape."""
         dtype = np.dtype(dtype)
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        try:
+        with self._decoding(leaf, name):
             raw = codec.decompress_array(self.segment(leaf, p, seg, name), seg.codec, size, dtype.itemsize)
-        except codec.CodecError as e:
-            raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} of object "
-                                         f"{self.id}: {e}") from None
         return raw.view(dtype).reshape(shape)
 
     def packed(self, leaf: str, p: int, seg: records.Segment, name: str, shape, slots: int = 0) -> tuple | None:
         """A checked code segment of `shape` left packed (`codec.packed_values`: (packed bytes with room for at
         least `slots` codes, (256, per) codes each byte holds)), or None where its codec does not pack (read it
         with `array`)."""
-        size = int(np.prod(shape, dtype=np.int64))
         if seg.codec not in (codec.ZSTD_RADIX, codec.ZSTD_RANK):
             return None
+        with self._decoding(leaf, name):
+            return codec.packed_values(self.segment(leaf, p, seg, name), seg.codec,
+                                       int(np.prod(shape, dtype=np.int64)), slots)
+
+    @contextlib.contextmanager
+    def _decoding(self, leaf: str, name: str):
+        """A codec's error decoding a segment as the named corruption of this object's leaf and segment."""
         try:
-            return codec.packed_values(self.segment(leaf, p, seg, name), seg.codec, size, slots)
+            yield
         except codec.CodecError as e:
             raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: segment {name!r} of object "
                                          f"{self.id}: {e}") from None
