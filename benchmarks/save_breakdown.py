@@ -23,9 +23,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import orbax.checkpoint as ocp
+import zstandard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -61,6 +63,22 @@ print(json.dumps({"seconds": first, "kernels": kernels, "again": statistics.medi
                   "orbax": statistics.median(orbax)}))
 """
 REPEATS = 7  # warm restores of each kind, alternated; the table gives their medians
+RECORD_LEVELS = (3, 15, 19)  # zstd levels the last save's records are also compressed at (store.RECORD_LEVEL's choice)
+
+
+def record_levels(body) -> list[tuple[int, float]]:
+    """(bytes, best-of-3 milliseconds) of a record as `store.write_json` frames it, zstd-coded at each of
+    `RECORD_LEVELS`."""
+    raw = b'{"crc32":%d,"body":' % store.crc32(store._canonical(body)) + store._canonical(body) + b"}"
+    out = []
+    for level in RECORD_LEVELS:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            n = len(zstandard.ZstdCompressor(level=level).compress(raw))
+            times.append(time.perf_counter() - t)
+        out.append((n, 1e3 * min(times)))
+    return out
 
 
 def main(argv=None):
@@ -102,7 +120,7 @@ def main(argv=None):
                "parameters" if meta.part == "params" else "other")
         how = "quantized" if meta.kind == "quantized" else "stored exactly"
         groups[f"{who}, {how}"] += sum(s.length for _, sh in shards for s in sh.segments.values())
-    files, as_json = collections.Counter(), collections.Counter()
+    files, as_json, levels = collections.Counter(), collections.Counter(), collections.defaultdict(list)
     for path, n in new.items():
         name = os.path.basename(path)
         kind = name.split(".")[0] if name.split(".")[0] in ("blob", "data", "index", "manifest") else "other"
@@ -110,6 +128,7 @@ def main(argv=None):
         if kind in ("index", "manifest"):  # what the record would be as plain JSON (format 7 wrote it so)
             body, _ = store.read_json(path, kind, os.path.dirname(path))
             as_json[kind] += len(store._canonical(body))
+            levels[kind].append(record_levels(body))
     out = subprocess.run([sys.executable, "-c", RESTORE, root, str(last), str(REPEATS)], capture_output=True,
                          text=True, check=True)
     restored = json.loads(out.stdout.strip().splitlines()[-1])
@@ -127,6 +146,11 @@ def main(argv=None):
     lines += [f"| {k} | {v:,} |" for k, v in sorted(files.items())]
     lines += ["", "Records as plain JSON (before zstd): " + ", ".join(f"{k} {v:,} bytes" for k, v in
                                                                    sorted(as_json.items())) + "."]
+    lines += ["", f"Records at zstd levels {', '.join(map(str, RECORD_LEVELS))} (store.RECORD_LEVEL = "
+                  f"{store.RECORD_LEVEL} is written), bytes and milliseconds to compress (best of 3): " + "; ".join(
+                      f"{kind} " + ", ".join(f"{sum(r[i][0] for r in rows):,} B ({sum(r[i][1] for r in rows):.1f} ms)"
+                                             for i in range(len(RECORD_LEVELS)))
+                      for kind, rows in sorted(levels.items())) + "."]
     lines += ["", f"Restore of step {last} without a target in a new process: {restored['seconds']:.2f} s, "
                   f"{restored['kernels']} closed-loop decode kernels compiled. The same restore again in that process "
                   f"(median of {REPEATS}): {restored['again']:.3f} s, against {restored['orbax']:.3f} s for Orbax's "

@@ -44,6 +44,16 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 clipped to five cells: tests/test_codec.py; the residual codes of the character transformer:
                 1.03-1.28x at steps 1-3 x RMS, benchmarks/results/residual_coding.md). Tried only when the five
                 hold at least 7/8 of the stream.
+  "ranks"       for uint8 streams of at most 16 distinct values (code and delta streams of few levels; written
+                instead of "zstd-radix" and "zstd-rank", which are read for checkpoints that have them): one byte
+                k | F (k in [1, 16] distinct values; F = `_RANKS_ZSTD` when the packed part is a zstandard frame),
+                the k values ascending, then each value's rank among them packed as "zstd-radix" packs its values
+                (base max(k, 2); the last byte padded with rank 0), either as they are or as one zstandard frame
+                (which states its size), whichever is smaller. No value count: the record states the stream's
+                size, and a stream that holds more packed bytes, or padding that is not rank 0, is refused. Against "zstd-rank" it drops the radix header (a base
+                byte and a uint64 count) and, on small streams (a leaf of 64 values), zstd's frame: a vision
+                transformer's 64-value residual and moment streams took 39 bytes each as "zstd-rank", where their
+                packed ranks are 13 to 22 bytes.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -64,7 +74,9 @@ ZSTD_RADIX = "zstd-radix"
 ZSTD_RANK = "zstd-rank"
 ZSTD_RUNS = "zstd-runs"
 ZSTD_ESCAPE = "zstd-escape"
+RANKS = "ranks"
 RAW = "raw"
+_RANKS_ZSTD = 0x80  # flag in a "ranks" stream's first byte: its packed ranks are one zstandard frame
 _ESCAPE_KEEP = 5  # values "zstd-escape" ranks (with its escape: base 6, three to a byte)
 _PACK_WIDTHS = (1, 2, 4)
 DEFAULT_LEVEL = 3
@@ -78,7 +90,7 @@ DEFAULT_LEVEL = 3
 # figures are the same command at commit a0e8c83). The codec choice takes a real trace's rearranged deltas from
 # 1.73x (plain zstd) to 1.02x H0 (benchmarks/results/delta.md). A reader needs nothing of this: the frames are plain
 # zstandard.
-CODE_CODECS = (ZSTD, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE)
+CODE_CODECS = (ZSTD, ZSTD_RUNS, RANKS, ZSTD_ESCAPE)
 CODE_LEVEL = "codes"
 CODE_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7,
                                                   target_length=0, strategy=zstandard.STRATEGY_FAST,
@@ -142,6 +154,18 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
             return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
         ranks = _ranks(arr, alphabet, 0)
         return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
+    elif codec == RANKS:
+        arr = _bytes_view(data)
+        if counts is None:
+            counts = byte_counts(arr)
+        alphabet = np.flatnonzero(counts).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
+        if alphabet.size > _RADIX_MAX:
+            return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
+        packed = _pack(_ranks(arr, alphabet, 0), max(alphabet.size, 2))
+        framed = _compressor(level).compress(packed) if packed.size > _RANKS_FRAMED_FROM else None
+        if framed is not None and len(framed) < packed.size:
+            return bytes([alphabet.size | _RANKS_ZSTD]) + alphabet.tobytes() + framed
+        return bytes([alphabet.size]) + alphabet.tobytes() + packed.tobytes()
     elif codec == ZSTD_ESCAPE:
         arr = _bytes_view(data)
         if counts is None:
@@ -157,7 +181,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
         buf = _bytes_view(data)
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}")
     return _compressor(level).compress(buf)
 
 
@@ -172,6 +196,12 @@ def _ranks(arr: np.ndarray, alphabet: np.ndarray, other: int) -> np.ndarray:
 def _radix_of(arr: np.ndarray, base: int, level: int | str) -> bytes:
     """"zstd-radix" of uint8 values below `base` (2..16; the header states `base`, at least 2)."""
     base = max(base, 2)
+    return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(_pack(arr, base), ZSTD, level)
+
+
+def _pack(arr: np.ndarray, base: int) -> np.ndarray:
+    """uint8 values below `base` (2..16) packed `_radix_digits(base)` to a byte as digits in that base, the first
+    value least significant; the last byte's missing values are zeros."""
     per = _radix_digits(base)
     padded = np.zeros(-(-arr.size // per) * per, np.uint8)
     padded[:arr.size] = arr
@@ -180,7 +210,7 @@ def _radix_of(arr: np.ndarray, base: int, level: int | str) -> bytes:
     for j in range(per - 2, -1, -1):
         packed *= np.uint8(base)
         packed += digits[:, j]
-    return bytes([base]) + np.array([arr.size], "<u8").tobytes() + compress(packed, ZSTD, level)
+    return packed
 
 
 # zstandard's (de)compression contexts, one per thread (an object is not safe to share between threads) and
@@ -222,9 +252,10 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int | 
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
-    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE} else None
+    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE,
+                                                 RANKS} else None
     packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and any(
-        c in codecs and _can_win(c, counts) for c in (ZSTD_RADIX, ZSTD_RANK))
+        c in codecs and _can_win(c, counts) for c in (ZSTD_RADIX, ZSTD_RANK, RANKS))
     for c in codecs:
         if not _can_win(c, counts) or (packs and c == ZSTD):
             continue
@@ -233,6 +264,10 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int | 
             best = (packed, c, len(packed))
     return (best[0], best[1]) if best[0] is not None else (raw.tobytes(), RAW)
 
+
+# A "ranks" stream's packed bytes are offered to zstd only past this many: below it a frame's own header and
+# block costs more than its Huffman coding of so few bytes can save.
+_RANKS_FRAMED_FROM = 8
 
 # A stream of at least this many values that radix or rank packing can code skips plain zstd: where packing
 # applies, plain zstd seldom codes a code or delta stream smaller, and then by little, while on a large stream its
@@ -269,6 +304,8 @@ def _can_win(codec: str, counts: np.ndarray | None) -> bool:
         # others rare: at 1/8 of the stream their bytes alone cost a bit a value (near-uniform levels: no pass)
         kept = np.sort(counts)[::-1][:_ESCAPE_KEEP].sum()
         return np.count_nonzero(counts) > _ESCAPE_KEEP and 8 * (int(counts.sum()) - int(kept)) <= int(counts.sum())
+    if codec == RANKS:
+        return 0 < np.count_nonzero(counts) <= _RADIX_MAX
     if codec in (ZSTD_RADIX, ZSTD_RANK):
         present = np.flatnonzero(counts)
         radix = not counts[_RADIX_MAX:].any()
@@ -290,9 +327,10 @@ def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
 
 def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
     """`decompress` as a flat uint8 array (possibly read-only, possibly a view of the decoder's own buffer)."""
-    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE):
+    if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE,
+                     RANKS):
         raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}")
     if codec == RAW:
         out = np.frombuffer(blob, np.uint8)
     elif codec in (ZSTD_RLE, ZSTD_RUNS):
@@ -305,6 +343,9 @@ def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
         out = _decompress_rank(blob, size)
     elif codec == ZSTD_ESCAPE:
         out = _decompress_escape(blob, size)
+    elif codec == RANKS:
+        packed, base, alphabet = _ranks_packed(blob, size)
+        out = _unpack(packed, base, size, alphabet)
     else:
         out = np.frombuffer(_zstd(blob, size), np.uint8)
     if out.size != size:
@@ -506,14 +547,17 @@ def _digit_table(base: int, alphabet: bytes) -> np.ndarray:
 
 
 def packed_values(blob: bytes, codec: str, size: int, slots: int = 0) -> tuple[np.ndarray, np.ndarray] | None:
-    """A stream of `size` byte values left packed: for "zstd-radix", and "zstd-rank" whose ranks are in its
-    alphabet's own base (what the encoder writes for an alphabet of 2 or more), (its checked packed bytes and
+    """A stream of `size` byte values left packed: for "ranks", "zstd-radix", and "zstd-rank" whose ranks are in
+    its alphabet's own base (what the encoder writes for an alphabet of 2 or more), (its checked packed bytes and
     `_digit_rows` of its base and alphabet: the `per` values each byte holds), so that value i < `size` is
     rows[packed[i // per], i % per], exactly what `decompress` gives; None for any other stream (decode it with
     `decompress_array`). The packed bytes are 64-byte aligned and hold at least `slots` values: the bytes past
     the stream's are zeros (each holds `per` of rows[0]). A restore's kernels look the values up from the packed
     bytes, where spelling out every value on the host first cost most of a deep restore's time
     (benchmarks/results/handler.md)."""
+    if codec == RANKS:
+        packed, base, alphabet = _ranks_packed(blob, size, slots)
+        return packed, _digit_rows(base, alphabet)
     if codec == ZSTD_RADIX:
         head, alphabet = blob, None
     elif codec == ZSTD_RANK:
@@ -527,10 +571,11 @@ def packed_values(blob: bytes, codec: str, size: int, slots: int = 0) -> tuple[n
     return packed, _digit_rows(base, alphabet if alphabet is not None else bytes(range(base)))
 
 
-def _alphabet(blob: bytes, most: int, after: int, name: str) -> np.ndarray:
-    """The alphabet that heads a "zstd-rank" or "zstd-escape" stream: a count k in [1, `most`], then k strictly
-    ascending byte values, then at least `after` more bytes."""
-    k = blob[0] if len(blob) else 0
+def _alphabet(blob: bytes, most: int, after: int, name: str, flags: int = 0) -> np.ndarray:
+    """The alphabet that heads a "zstd-rank", "zstd-escape" or "ranks" stream: a count k in [1, `most`] (its
+    first byte, less the bits of `flags`), then k strictly ascending byte values, then at least `after` more
+    bytes."""
+    k = blob[0] & ~flags if len(blob) else 0
     if not 1 <= k <= most or len(blob) < 1 + k + after:
         raise CodecError(f"{name} stream has no valid alphabet")
     alphabet = np.frombuffer(blob[1:1 + k], np.uint8)
@@ -549,6 +594,37 @@ def _decompress_rank(blob: bytes, size: int) -> np.ndarray:
     if ranks.size and int(ranks.max()) >= k:
         raise CodecError(f"zstd-rank stream holds rank {int(ranks.max())} of an alphabet of {k}")
     return alphabet[ranks]
+
+
+def _ranks_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, int, bytes]:
+    """A "ranks" stream of `size` values: its packed ranks, checked (each byte `_radix_digits(base)` ranks below
+    the alphabet's size), 64-byte aligned and holding at least `slots` values (zeros past the stream's), their
+    base, and the alphabet as bytes, of `base` values (an alphabet of one value repeats it: its ranks are all
+    0)."""
+    alphabet = _alphabet(blob, _RADIX_MAX, 0, RANKS, _RANKS_ZSTD)
+    k = alphabet.size
+    base = max(k, 2)
+    per = _radix_digits(base)
+    nbytes = -(-size // per)
+    body = memoryview(blob)[1 + k:]
+    framed = bool(blob[0] & _RANKS_ZSTD)
+    try:  # the stored size checked before anything of that size is allocated
+        held = zstandard.get_frame_parameters(body).content_size if framed else len(body)
+    except zstandard.ZstdError as e:
+        raise CodecError(f"ranks stream's zstandard frame does not decode ({e})") from None
+    if held != nbytes:
+        raise CodecError(f"ranks stream holds {held} packed bytes, expected {nbytes} for {size} values")
+    packed = aligned_empty(max(nbytes, -(-slots // per)))
+    if framed:
+        _zstd_into(body, packed[:nbytes])
+    else:
+        packed[:nbytes] = np.frombuffer(body, np.uint8)
+    packed[nbytes:] = 0
+    if nbytes and int(packed[:nbytes].max()) >= k ** per:
+        raise CodecError(f"ranks byte {int(packed[:nbytes].max())} is not {per} ranks below {k}")
+    if size % per and int(packed[nbytes - 1]) >= k ** (size % per):  # the encoder pads the last byte with rank 0
+        raise CodecError(f"ranks stream holds more than {size} values")
+    return packed, base, (alphabet.tobytes() * base)[:base] if k == 1 else alphabet.tobytes()
 
 
 def _decompress_escape(blob: bytes, size: int) -> np.ndarray:

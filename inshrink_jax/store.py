@@ -46,11 +46,12 @@ from inshrink_jax import codec, delta, quantize, records
 from inshrink_jax.records import CODES_FILE, DATA_FILE, STORED_KINDS
 
 FORMAT = "inshrink_jax"
-FORMAT_VERSION = 13  # 4: leaves of kind "dropped"; quantized leaves of method "moments"; 7: closed-loop chains;
+FORMAT_VERSION = 14  # 4: leaves of kind "dropped"; quantized leaves of method "moments"; 7: closed-loop chains;
 # 8: the codec zstd-radix; 9: first moments coded relative to a second moment (leaf field `scale_leaf`);
 # 10: the codecs zstd-runs (written instead of zstd-rle) and zstd-rank; 11: weighted closed-loop residuals
 # (segment field `weighting`); 12: the codec zstd-escape; 13: a second moment's value table stored by its
-# positive half, and no manifest centres for closed-loop parameters (records.Leaf.table)
+# positive half, and no manifest centres for closed-loop parameters (records.Leaf.table); 14: the codec ranks
+# (written instead of zstd-radix and zstd-rank)
 # 5: level-index deltas against a base checkpoint of another root (no longer read: they lost the fine-tune)
 # 6: weights stored as residuals against a base checkpoint (leaf field `base_leaf`, manifest `base`, the base's
 #    object listed by absolute path in the step's commit record)
@@ -185,6 +186,10 @@ def _canonical(obj) -> bytes:
 # its 299 kB (benchmarks/results/save_breakdown.md).
 # Smaller ones (commit records, small states) stay plain JSON. A reader tells them apart by zstd's magic number.
 JSON_ZSTD_OVER = 4096
+# at this zstd level: the optimal parser (btopt, from level 15) stores a record's repeated key paths in about a
+# fifth fewer bytes than level 3, nearly all that level 19 gains, at several times level 19's speed
+# (benchmarks/results/save_breakdown_vit.md: the last save's records at each level).
+RECORD_LEVEL = 15
 # A record that decompresses to more than this, or to more than JSON_ZSTD_RATIO times its stored bytes, is refused
 # before it is allocated (the manifests of real states compress 5-10x: their level tables are random floats).
 MAX_JSON_BYTES = 1 << 30
@@ -199,7 +204,7 @@ def write_json(path, obj) -> bytes:
     body = _canonical(obj)
     raw = b'{"crc32":%d,"body":' % crc32(body) + body + b"}"
     if len(raw) > JSON_ZSTD_OVER:
-        raw = codec.compress(raw, codec.ZSTD)
+        raw = codec.compress(raw, codec.ZSTD, RECORD_LEVEL)
     epath.Path(path).write_bytes(raw)
     return raw
 
@@ -606,7 +611,7 @@ class _Object:
         """A checked code segment of `shape` left packed (`codec.packed_values`: (packed bytes with room for at
         least `slots` codes, (256, per) codes each byte holds)), or None where its codec does not pack (read it
         with `array`)."""
-        if seg.codec not in (codec.ZSTD_RADIX, codec.ZSTD_RANK):
+        if seg.codec not in (codec.RANKS, codec.ZSTD_RADIX, codec.ZSTD_RANK):
             return None
         with self._decoding(leaf, name):
             return codec.packed_values(self.segment(leaf, p, seg, name), seg.codec,

@@ -73,8 +73,9 @@ def test_radix_reaches_one_bit_per_two_level_code():
     compress_best picks the ranks."""
     a = np.random.default_rng(0).integers(1, 3, 100_000).astype(np.uint8)
     blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
-    assert used == codec.ZSTD_RANK and len(blob) <= 1.01 * codec.order0_entropy_bytes(a) + 64
+    assert used == codec.RANKS and len(blob) <= 1.01 * codec.order0_entropy_bytes(a) + 64
     assert len(blob) <= len(codec.compress(a, codec.ZSTD_RADIX, codec.CODE_LEVEL))
+    assert len(blob) <= len(codec.compress(a, codec.ZSTD_RANK, codec.CODE_LEVEL)) - 9  # no radix header
     assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.4 * len(blob)
 
 
@@ -85,7 +86,7 @@ def test_radix_codes_a_few_level_stream_within_4_percent_of_its_entropy(p):
     a = np.random.default_rng(1).choice(len(p), 200_000, p=p).astype(np.uint8)
     h0 = codec.order0_entropy_bytes(a)
     blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
-    assert used == codec.ZSTD_RADIX and len(blob) <= 1.04 * h0
+    assert used == codec.RANKS and len(blob) <= 1.04 * h0
     assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.07 * h0
 
 
@@ -105,7 +106,8 @@ def test_a_packed_stream_with_a_bad_width_is_refused():
 
 
 @pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_RUNS, codec.ZSTD_PLANES,
-                                   codec.ZSTD_PACKED, codec.ZSTD_RADIX, codec.ZSTD_RANK, codec.ZSTD_ESCAPE])
+                                   codec.ZSTD_PACKED, codec.ZSTD_RADIX, codec.ZSTD_RANK, codec.ZSTD_ESCAPE,
+                                   codec.RANKS])
 def test_a_stream_of_another_size_is_refused_before_allocating(which):
     # As bytes, and as the restore takes it: a read-only array starting at a multiple of 64 bytes (JAX's CPU client
     # uses it in place).
@@ -129,9 +131,9 @@ def test_runs_and_ranks_round_trip(n, density, distinct, seed):
     rng = np.random.default_rng(seed)
     alphabet = np.sort(rng.choice(np.arange(1, 256), size=distinct, replace=False)).astype(np.uint8)
     a = np.where(rng.random(n) < density, rng.choice(alphabet, size=n), 0).astype(np.uint8)
-    for which in (codec.ZSTD_RUNS, codec.ZSTD_RANK):
+    for which in (codec.ZSTD_RUNS, codec.ZSTD_RANK, codec.RANKS):
         blob = codec.compress(a, which, codec.CODE_LEVEL)
-        if which == codec.ZSTD_RANK and np.unique(a).size > 16:
+        if which in (codec.ZSTD_RANK, codec.RANKS) and np.unique(a).size > 16:
             continue  # 16 distinct values and a zero: not rank-coded (compress_best never picks it)
         np.testing.assert_array_equal(np.frombuffer(codec.decompress(blob, which, n), np.uint8), a)
 
@@ -144,7 +146,7 @@ def test_a_delta_stream_is_coded_within_5_percent_of_its_entropy(p0):
     rng = np.random.default_rng(0)
     a = rng.choice(np.array([0, 1, 31], np.uint8), size=200_000, p=[p0, (1 - p0) / 2, (1 - p0) / 2])
     blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
-    assert used in (codec.ZSTD_RUNS, codec.ZSTD_RANK)
+    assert used in (codec.ZSTD_RUNS, codec.RANKS)
     assert len(blob) <= 1.05 * codec.order0_entropy_bytes(a)
     assert codec.decompress(blob, used, a.size) == a.tobytes()
 
@@ -164,7 +166,8 @@ def test_a_runs_or_rank_stream_with_a_bad_header_is_refused():
         codec.decompress(b"\x02\x00\x01" + rank[4:], codec.ZSTD_RANK, a.size)
 
 
-@pytest.mark.parametrize("codecs", [(codec.ZSTD_RUNS,), (codec.ZSTD_RANK,), (codec.ZSTD_RADIX, codec.ZSTD_RANK)])
+@pytest.mark.parametrize("codecs", [(codec.ZSTD_RUNS,), (codec.ZSTD_RANK,), (codec.ZSTD_RADIX, codec.ZSTD_RANK),
+                                    (codec.RANKS,)])
 def test_compress_best_with_only_the_new_codecs(codecs):
     """compress_best takes the byte histogram these codecs' choice needs whichever of them it is given."""
     a = np.array([0, 0, 0, 1, 31, 0, 0, 1] * 40, np.uint8)
@@ -191,7 +194,7 @@ def test_a_large_stream_that_packs_skips_plain_zstd(monkeypatch):
         a = (rng.integers(0, 3, n) * 7).astype(np.uint8)
         tried.clear()
         blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
-        assert ((n, codec.ZSTD) in tried) == plain and used == codec.ZSTD_RANK
+        assert ((n, codec.ZSTD) in tried) == plain and used == codec.RANKS
         assert codec.decompress(blob, used, n) == a.tobytes()
 
 
@@ -311,9 +314,9 @@ def test_unpacking_digits_through_the_table_equals_digit_arithmetic(base):
 
 @hypothesis.settings(deadline=None)
 @hypothesis.given(st.integers(1, 5000), st.integers(1, 15), st.integers(0, 2**31 - 1), st.integers(0, 300),
-                  st.sampled_from([codec.ZSTD_RADIX, codec.ZSTD_RANK]))
+                  st.sampled_from([codec.ZSTD_RADIX, codec.ZSTD_RANK, codec.RANKS]))
 def test_a_stream_left_packed_holds_the_values_it_decodes_to(n, top, seed, slack, which):
-    """`codec.packed_values`: value i of a "zstd-radix" or "zstd-rank" stream is rows[packed[i // per], i % per],
+    """`codec.packed_values`: value i of a "zstd-radix", "zstd-rank" or "ranks" stream is rows[packed[i // per], i % per],
     exactly what `decompress` gives; the packed bytes are 64-byte aligned and hold at least `slots` values, those
     past the stream's zeros; a rank stream of one value (ranks in another base) and other codecs are None."""
     values = np.random.default_rng(seed).integers(0, top + 1, n).astype(np.uint8)
@@ -347,3 +350,31 @@ def test_a_stream_left_packed_with_a_bad_header_or_digit_is_refused():
     rank = codec.compress(values, codec.ZSTD_RANK)
     with pytest.raises(codec.CodecError, match="alphabet"):
         codec.packed_values(b"\x00" + rank[1:], codec.ZSTD_RANK, 300)
+
+
+@pytest.mark.parametrize("n", [64, 3000])  # the packed ranks as they are, and as a zstd frame
+def test_a_ranks_stream_with_a_bad_header_size_or_padding_is_refused(n):
+    """A "ranks" stream states no value count: its packed bytes must be exactly those `size` values take (a raw
+    part's length, a frame's stated size, checked before allocating), its alphabet ascending and of 1 to 16 values,
+    each byte's ranks below the alphabet's size, and the last byte's padding rank 0."""
+    a = np.array([0, 0, 0, 1, 31, 0, 0, 1] * (n // 8), np.uint8)
+    blob = codec.compress(a, codec.RANKS, codec.CODE_LEVEL)
+    assert blob[:4] == bytes([3 | (codec._RANKS_ZSTD if n == 3000 else 0)]) + b"\x00\x01\x1f"
+    assert codec.decompress(blob, codec.RANKS, n) == a.tobytes()
+    for size in (n - 5, n + 5, 2**40):  # 5 values a byte: one byte fewer or more
+        with pytest.raises(codec.CodecError, match="packed bytes, expected"):
+            codec.decompress(blob, codec.RANKS, size)
+    with pytest.raises(codec.CodecError, match="ascending"):
+        codec.decompress(blob[:1] + b"\x00\x1f\x01" + blob[4:], codec.RANKS, n)
+    with pytest.raises(codec.CodecError, match="alphabet"):
+        codec.decompress(b"\x11" + blob[1:], codec.RANKS, n)
+    raw = b"\x03\x00\x01\x1f"
+    with pytest.raises(codec.CodecError, match="is not 5 ranks below 3"):
+        codec.decompress(raw + bytes([243]) * (n // 5), codec.RANKS, n // 5 * 5)
+    with pytest.raises(codec.CodecError, match="more than 4 values"):
+        codec.decompress(raw + bytes([81]), codec.RANKS, 4)  # 81 = 3**4: a fifth value of rank 1
+    assert codec.decompress(raw + bytes([80]), codec.RANKS, 4) == bytes([31, 31, 31, 31])
+    one = codec.compress(np.full(n, 9, np.uint8), codec.RANKS)  # an alphabet of one value: every rank 0
+    assert codec.decompress(one, codec.RANKS, n) == bytes([9]) * n
+    with pytest.raises(codec.CodecError, match="ranks below 1"):
+        codec.decompress(b"\x01\x09" + b"\x01" + bytes(-(-n // 8) - 1), codec.RANKS, n)
