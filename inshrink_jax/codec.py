@@ -145,7 +145,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
         if base > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # one value a byte: plain zstd; never the smallest (compress_best)
         return _radix_of(arr, base, level)
-    elif codec == ZSTD_RANK:
+    elif codec in (ZSTD_RANK, RANKS):
         arr = _bytes_view(data)
         if counts is None:
             counts = byte_counts(arr)
@@ -153,15 +153,9 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
         if alphabet.size > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
         ranks = _ranks(arr, alphabet, 0)
-        return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
-    elif codec == RANKS:
-        arr = _bytes_view(data)
-        if counts is None:
-            counts = byte_counts(arr)
-        alphabet = np.flatnonzero(counts).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
-        if alphabet.size > _RADIX_MAX:
-            return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
-        packed = _pack(_ranks(arr, alphabet, 0), max(alphabet.size, 2))
+        if codec == ZSTD_RANK:
+            return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
+        packed = _pack(ranks, max(alphabet.size, 2))
         framed = _compressor(level).compress(packed) if packed.size > _RANKS_FRAMED_FROM else None
         if framed is not None and len(framed) < packed.size:
             return bytes([alphabet.size | _RANKS_ZSTD]) + alphabet.tobytes() + framed
