@@ -6,7 +6,8 @@ Usage: python benchmarks/fidelity_compose.py WORKLOAD NEW.json [NEW.json ...] --
 Reads benchmarks/results/fidelity_WORKLOAD.json and fidelity_WORKLOAD_previous.json and writes to DIR (default:
 the current directory) `main_WORKLOAD.json`, where each row of the NEW figure files replaces the committed row of
 the same name in place (new names are appended), and `prev_WORKLOAD.json`, the previous table's rows with each
-replaced row added under its name + LABEL. A committed row of this release (a name starting "inshrink" with no
+replaced row added under its name + LABEL (a workload without a `_previous` table keeps the replaced rows in its
+own table under those names, after the others). A committed row of this release (a name starting "inshrink" with no
 parenthesis) that was not run again is renamed with LABEL in the main table too, unless it is named by --keep (a
 row whose saves the change cannot have altered). Then `bench_fidelity.py --workload WORKLOAD --merge
 DIR/main_WORKLOAD.json --references benchmarks/results/fidelity_WORKLOAD.json --out ...` writes the table, plot and
@@ -26,8 +27,11 @@ def compose(workload: str, news: list[str], label: str, keep: list[str], out_dir
     """Write the two figure files; returns (the main table's row names, the rows moved to the previous one)."""
     with open(os.path.join(RESULTS, f"fidelity_{workload}.json")) as f:
         main = json.load(f)
-    with open(os.path.join(RESULTS, f"fidelity_{workload}_previous.json")) as f:
-        prev = json.load(f)
+    previous = os.path.join(RESULTS, f"fidelity_{workload}_previous.json")
+    prev = None
+    if os.path.exists(previous):
+        with open(previous) as f:
+            prev = json.load(f)
     new_rows, commands = {}, []
     for path in news:
         with open(path) as f:
@@ -45,12 +49,17 @@ def compose(workload: str, news: list[str], label: str, keep: list[str], out_dir
             rows[name] = row
     for name, row in new_rows.items():
         rows.setdefault(name, row)
+    if prev is None:  # a workload without a `_previous` table keeps the replaced rows in its own, after the rest
+        rows.update(moved)
+        moved = {}
     main_out = dict(main, rows=rows, command=f"the rows of benchmarks/results/fidelity_{workload}.json, those of the "
                     "same name replaced by the rows of: " + "; ".join(commands))
-    prev_out = dict(prev, rows={**moved, **prev["rows"]},
-                    command=f"the rows of benchmarks/results/fidelity_{workload}_previous.json and the rows "
-                    f"{sorted(moved)} of benchmarks/results/fidelity_{workload}.json")
-    for name, figures in (("main", main_out), ("prev", prev_out)):
+    outs = [("main", main_out)]
+    if prev is not None:
+        outs.append(("prev", dict(prev, rows={**moved, **prev["rows"]},
+                                  command=f"the rows of benchmarks/results/fidelity_{workload}_previous.json and the "
+                                  f"rows {sorted(moved)} of benchmarks/results/fidelity_{workload}.json")))
+    for name, figures in outs:
         with open(os.path.join(out_dir, f"{name}_{workload}.json"), "w") as f:
             json.dump(figures, f, default=str)
     return list(rows), list(moved)
