@@ -86,8 +86,9 @@ DEFAULT_LEVEL = 3
 # level 1's 1.18x H0 on 8-level codes of a real training trace), and level 1's too on packed streams of few
 # values: on the 440k transformer's 20 saves, level 1 stored every code stream at 1.065x their order-0 entropy
 # (Adam's first moments, 5-9 cells, at 1.135x), these settings (level 1's fast strategy, 64-entry match tables,
-# matches of 7 bytes or more) at 1.037x (1.079x) (benchmarks/results/save_breakdown.md has the table; the level 1
-# figures are the same command at commit a0e8c83). The codec choice takes a real trace's rearranged deltas from
+# matches of 7 bytes or more) at 1.037x (1.079x) in format 13, 1.032x (1.072x) with format 14's "ranks"
+# (benchmarks/results/save_breakdown.md has the table; the level 1 figures are the same command at commit a0e8c83,
+# format 13's at 1cc8e16). The codec choice takes a real trace's rearranged deltas from
 # 1.73x (plain zstd) to 1.02x H0 (benchmarks/results/delta.md). A reader needs nothing of this: the frames are plain
 # zstandard.
 CODE_CODECS = (ZSTD, ZSTD_RUNS, RANKS, ZSTD_ESCAPE)
