@@ -50,10 +50,11 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 the k values ascending, then each value's rank among them packed as "zstd-radix" packs its values
                 (base max(k, 2); the last byte padded with rank 0), either as they are or as one zstandard frame
                 (which states its size), whichever is smaller. No value count: the record states the stream's
-                size, and a stream that holds more packed bytes, or padding that is not rank 0, is refused. Against "zstd-rank" it drops the radix header (a base
-                byte and a uint64 count) and, on small streams (a leaf of 64 values), zstd's frame: a vision
-                transformer's 64-value residual and moment streams took 39 bytes each as "zstd-rank", where their
-                packed ranks are 13 to 22 bytes.
+                size, and a stream that holds more packed bytes, or padding that is not rank 0, is refused.
+                Against "zstd-rank" it drops the radix header (a base byte and a uint64 count) and, on a small
+                stream, zstd's frame: a leaf of 64 values of 3 to 5 levels packs to 13 to 22 bytes, to which a
+                frame adds its own header and block (benchmarks/results/save_breakdown_vit.md: a vision
+                transformer's streams, many of 64 values, at 1.134x their order-0 entropy before, 1.093x since).
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
