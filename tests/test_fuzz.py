@@ -303,6 +303,9 @@ CRAFTED = {
         r, "['x']", "data", "zstd", codec.compress(b"\0" * 64)[:4] + b"\xe0" + (1 << 40).to_bytes(8, "little")),
     "zstd-radix header: 2^40 codes": lambda r: _craft_segment(r, "['w']", "codes", "zstd-radix",
                                                               b"\x04" + _u64(1 << 40) + codec.compress(b"\0")),
+    "ranks frame declaring 2^40 bytes": lambda r: _craft_segment(
+        r, "['w']", "codes", "ranks", bytes([2 | codec._RANKS_ZSTD, 1, 2]) + codec.compress(b"\0" * 64)[:4] + b"\xe0"
+        + (1 << 40).to_bytes(8, "little")),
     "zstd-rle: a run at every code, all codes 255": lambda r: _craft_segment(
         r, "['w']", "codes", "zstd-rle", (lambda runs, vals: _u64(N, len(runs)) + runs + vals)(
             codec.compress(bytes(N)), codec.compress(b"\xff" * N))),
