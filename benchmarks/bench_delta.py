@@ -42,9 +42,10 @@ VARIANTS = ("codes", "delta", "rearranged")
 WHY_ABOVE_H0 = (
     "What is left above H0: zstd codes literals with Huffman, which costs up to ~0.1-0.2 bit per symbol more than "
     "the entropy when one symbol is frequent, and each tensor's stream pays its own frame header and Huffman table "
-    "(the smallest tensor has 640 codes, the middle one 18k). Radix packing (zstd-radix: several codes of few "
-    "levels to a byte; zstd-rank: the same over the ranks of at most 16 distinct values, e.g. a delta's 0, +1 and "
-    "-1 mod b) shares Huffman's per-symbol loss among the codes of a byte, and zstd-runs codes the run lengths of "
+    "(the smallest tensor has 640 codes, the middle one 18k). Packing several codes to a byte (ranks, from format "
+    "14: the ranks of at most 16 distinct values, e.g. a delta's 0, +1 and -1 mod b, as digits of a byte, then "
+    "zstd where that is smaller; zstd-radix and zstd-rank before) shares Huffman's per-symbol loss among the "
+    "codes of a byte, and zstd-runs codes the run lengths of "
     "zeros with the non-zero values radix-packed, which is why the streams come within a few percent of H0. The "
     "last two "
     "columns are plain zstd at levels 1 and 3, without the codec choices (codec.CODE_CODECS at "
