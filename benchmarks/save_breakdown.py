@@ -69,7 +69,7 @@ RECORD_LEVELS = (3, 15, 19)  # zstd levels the last save's records are also comp
 def record_levels(body) -> list[tuple[int, float]]:
     """(bytes, best-of-3 milliseconds) of a record as `store.write_json` frames it, zstd-coded at each of
     `RECORD_LEVELS`."""
-    raw = b'{"crc32":%d,"body":' % store.crc32(store._canonical(body)) + store._canonical(body) + b"}"
+    raw = store.framed_json(body)
     out = []
     for level in RECORD_LEVELS:
         times = []

@@ -77,6 +77,7 @@ ZSTD_RUNS = "zstd-runs"
 ZSTD_ESCAPE = "zstd-escape"
 RANKS = "ranks"
 RAW = "raw"
+PACKED_CODECS = (RANKS, ZSTD_RADIX, ZSTD_RANK)  # streams of several codes a byte: `packed_values` reads them packed
 _RANKS_ZSTD = 0x80  # flag in a "ranks" stream's first byte: its packed ranks are one zstandard frame
 _ESCAPE_KEEP = 5  # values "zstd-escape" ranks (with its escape: base 6, three to a byte)
 _PACK_WIDTHS = (1, 2, 4)
@@ -248,10 +249,9 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int | 
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
-    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE,
-                                                 RANKS} else None
+    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_ESCAPE, *PACKED_CODECS} else None
     packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and any(
-        c in codecs and _can_win(c, counts) for c in (ZSTD_RADIX, ZSTD_RANK, RANKS))
+        c in codecs and _can_win(c, counts) for c in PACKED_CODECS)
     for c in codecs:
         if not _can_win(c, counts) or (packs and c == ZSTD):
             continue
@@ -484,12 +484,24 @@ def _radix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, i
         raise CodecError(f"zstd-radix header states {count} values; expected {size}")
     per = _radix_digits(base)
     nbytes = -(-size // per)
-    packed = aligned_empty(max(nbytes, -(-slots // per)))
-    _zstd_into(blob[9:], packed[:nbytes])
-    packed[nbytes:] = 0
+    packed = _placed(memoryview(blob)[9:], True, nbytes, -(-slots // per))
     if nbytes and int(packed[:nbytes].max()) >= base ** per:
         raise CodecError(f"zstd-radix byte {int(packed[:nbytes].max())} is not {per} digits in base {base}")
     return packed, base
+
+
+def _placed(body, framed: bool, nbytes: int, room: int) -> np.ndarray:
+    """A stream's `nbytes` packed bytes, from `body` (one zstandard frame of exactly that many bytes if `framed`,
+    else the bytes themselves), in a 64-byte aligned array of at least `room` bytes, zeros past them."""
+    packed = aligned_empty(max(nbytes, room))
+    if framed:
+        _zstd_into(body, packed[:nbytes])
+    elif len(body) != nbytes:
+        raise CodecError(f"stream holds {len(body)} packed bytes, expected {nbytes}")
+    else:
+        packed[:nbytes] = np.frombuffer(body, np.uint8)
+    packed[nbytes:] = 0
+    return packed
 
 
 def _unpack(packed: np.ndarray, base: int, size: int, alphabet: bytes) -> np.ndarray:
@@ -610,12 +622,7 @@ def _ranks_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, i
         raise CodecError(f"ranks stream's zstandard frame does not decode ({e})") from None
     if held != nbytes:
         raise CodecError(f"ranks stream holds {held} packed bytes, expected {nbytes} for {size} values")
-    packed = aligned_empty(max(nbytes, -(-slots // per)))
-    if framed:
-        _zstd_into(body, packed[:nbytes])
-    else:
-        packed[:nbytes] = np.frombuffer(body, np.uint8)
-    packed[nbytes:] = 0
+    packed = _placed(body, framed, nbytes, -(-slots // per))
     if nbytes and int(packed[:nbytes].max()) >= k ** per:
         raise CodecError(f"ranks byte {int(packed[:nbytes].max())} is not {per} ranks below {k}")
     if size % per and int(packed[nbytes - 1]) >= k ** (size % per):  # the encoder pads the last byte with rank 0

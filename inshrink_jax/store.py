@@ -198,11 +198,16 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _JSON_HEAD = re.compile(rb'\{"crc32":(\d{1,10}),"body":')  # what write_json puts before the canonical body
 
 
+def framed_json(obj) -> bytes:
+    """`obj` as `write_json` frames it before any zstd: its canonical JSON with the CRC32 of that JSON."""
+    body = _canonical(obj)
+    return b'{"crc32":%d,"body":' % crc32(body) + body + b"}"
+
+
 def write_json(path, obj) -> bytes:
     """Write `obj` as JSON with a CRC32 of its canonical form, so any changed byte is detected on read; over
     `JSON_ZSTD_OVER` bytes, zstandard-coded. Returns the bytes written."""
-    body = _canonical(obj)
-    raw = b'{"crc32":%d,"body":' % crc32(body) + body + b"}"
+    raw = framed_json(obj)
     if len(raw) > JSON_ZSTD_OVER:
         raw = codec.compress(raw, codec.ZSTD, RECORD_LEVEL)
     epath.Path(path).write_bytes(raw)
@@ -611,7 +616,7 @@ class _Object:
         """A checked code segment of `shape` left packed (`codec.packed_values`: (packed bytes with room for at
         least `slots` codes, (256, per) codes each byte holds)), or None where its codec does not pack (read it
         with `array`)."""
-        if seg.codec not in (codec.RANKS, codec.ZSTD_RADIX, codec.ZSTD_RANK):
+        if seg.codec not in codec.PACKED_CODECS:
             return None
         with self._decoding(leaf, name):
             return codec.packed_values(self.segment(leaf, p, seg, name), seg.codec,
