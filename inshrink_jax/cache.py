@@ -8,10 +8,11 @@ import os
 import jax
 
 
-# inshrink_jax's kernels are jitted per tensor shape and layer group, and most compile in 0.2-0.9 s on CPU: under
-# JAX's default threshold of 1 s none of them would be cached (a resumed charlm job's first save then compiled
-# 34 of them again, 31 s; benchmarks/results/compile_cache.md).
-MIN_COMPILE_TIME_SECS = 0.1
+# Every compilation is cached. inshrink_jax's encoders compile in 0.2-0.9 s each on CPU, under JAX's default
+# threshold of 1 s (a resumed charlm job's first save then compiled 34 of them again, 31 s); a restore's decode
+# kernels compile in well under 0.1 s each, yet a resumed job's restore spent most of its time compiling them
+# (benchmarks/results/compile_cache.md measures both thresholds side by side).
+MIN_COMPILE_TIME_SECS = 0.0
 
 
 def enable_compilation_cache(directory: str | os.PathLike | None = None) -> str:
@@ -19,8 +20,8 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None) -> str:
 
     JAX's setting is process-wide: it caches every compilation that takes longer than
     `jax_persistent_cache_min_compile_time_secs`, the training step's included, which a resumed job also gains
-    from. That threshold is lowered to `MIN_COMPILE_TIME_SECS` (0.1 s; JAX's default is 1 s), never raised. A
-    cache directory configured before (`jax_compilation_cache_dir`, or the `JAX_COMPILATION_CACHE_DIR`
+    from. That threshold is lowered to `MIN_COMPILE_TIME_SECS` (0: every compilation; JAX's default is 1 s), never
+    raised. A cache directory configured before (`jax_compilation_cache_dir`, or the `JAX_COMPILATION_CACHE_DIR`
     environment variable) is kept and returned. `directory` None: `$XDG_CACHE_HOME/inshrink_jax/jax`, else
     `~/.cache/inshrink_jax/jax`. Call it once at startup, before the first save or restore.
     """
