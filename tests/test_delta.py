@@ -27,6 +27,8 @@ def test_delta_round_trip_any_bins(k_prev, k_new, n, seed, rearrange):
     b = delta.modulus(k_prev, k_new)
     d = delta.encode(prev, new, b, rearrange)
     assert d.dtype == np.uint8 and d.max(initial=0) < b
+    order = np.argsort(prev, kind="stable") if rearrange else np.arange(n)  # the definition, in wide integers
+    np.testing.assert_array_equal(d, (new[order].astype(np.int64) - prev[order]) % b)
     np.testing.assert_array_equal(delta.decode(prev, d, b, rearrange), new)
 
 
