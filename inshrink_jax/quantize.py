@@ -813,6 +813,13 @@ def _checked_positions(enc: EncodedTensor, pos: np.ndarray | None = None) -> np.
     return pos
 
 
+# A host array of fewer bytes than this goes to a jitted kernel as it is where another argument is already on the
+# device the kernel runs on (the array follows it there): JAX transfers it in its C++ dispatch, for a fraction of
+# what a call of `jax.device_put` costs in Python, which a small model's restore made hundreds of times (the
+# character transformer's warm restore, benchmarks/results/save_breakdown.md). Larger ones are put first: a
+# 10M-parameter chain's tensors of 2.5M values restored slower passed as they are (an ad-hoc timing).
+_AS_ARGUMENT_BELOW = 1 << 20
+
 _plus_offset = jax.jit(plus_offset, static_argnames=("dtype",))
 _times_scale = jax.jit(times_scale, static_argnames=("dtype",))
 
@@ -833,13 +840,14 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
     table = np.concatenate([np.zeros(1, enc.centres.dtype), enc.centres, np.zeros(1, enc.centres.dtype)]).astype(work)
     out = table[enc.codes]
     out.reshape(-1)[pos] = enc.protected.astype(work)
+    if offset is None and scale is None:
+        return jax.device_put(out, device)
+    # Beside `offset` or `scale`, on the device the kernel runs on, a small host array goes as it is.
+    put = (lambda a: a) if out.nbytes < _AS_ARGUMENT_BELOW else functools.partial(jax.device_put, device=device)
     if scale is not None:
         exact = enc.codes == protected_code(enc.bins)
-        return _times_scale(jax.device_put(out, device), jax.device_put(exact, device), scale,
-                            dtype=jnp.dtype(enc.dtype))
-    if offset is None:
-        return jax.device_put(out, device)
-    return _plus_offset(jax.device_put(out, device), offset, dtype=jnp.dtype(enc.dtype))
+        return _times_scale(put(out), put(exact), scale, dtype=jnp.dtype(enc.dtype))
+    return _plus_offset(put(out), offset, dtype=jnp.dtype(enc.dtype))
 
 
 def _table(enc: EncodedTensor, work) -> np.ndarray:
@@ -999,7 +1007,8 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
                                  f"for a tensor of {n} values (the chain kernels take {size_n} codes, of a tensor "
                                  f"of at least {_PACKED_FROM})")
         ks = exps[g:g + CHAIN_GROUP]
-        # Each distinct host array goes to the device once; a short group is padded with its last link, unused.
+        # A short group is padded with its last link, unused. A small chain's host arrays go to the kernel as they
+        # are (`_AS_ARGUMENT_BELOW`), a large one's to the device first, each distinct one once.
         tables = [_table(e, f32) for e in group]
         host = [[e.codes.packed if isinstance(e.codes, PackedCodes) else _flat(e.codes, size_n) for e in group],
                 [t[e.codes.rows] if isinstance(e.codes, PackedCodes) else t for e, t in zip(group, tables)],
@@ -1008,7 +1017,7 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
         if weighted:
             zero = np.zeros(size_n, np.int8)
             host.append([zero if k is None else _flat(k, size_n) for k in ks] + [zero])
-        on_device = put(host)
+        on_device = host if size_n < _AS_ARGUMENT_BELOW else put(host)
         pad = CHAIN_GROUP - len(group)
         exps_dev = tuple(on_device[3][:len(group)]) + (on_device[3][-1],) * pad if weighted else None
         bound = math.inf if weighted else bound + sum(float(np.abs(t).max()) for t in tables)
@@ -1070,8 +1079,9 @@ def decode_chain(links: Sequence, device=None,
             raise ValueError(f"corrupt chain: weighting factors of lengths {[np.size(f) for f in fs]} on a tensor "
                              f"of shape {tuple(shape)}")
     exps = [None if fs is None else weighting.exponents_host(fs).astype(np.int8).reshape(-1) for fs in weightings]
-    # One device_put call per kernel call, for all of its host arrays: a small tensor's restore is otherwise
-    # dominated by the fixed cost of a put per array (two per link of a deep chain).
+    # At most one device_put call per kernel call, for all of its host arrays: a small tensor's restore is otherwise
+    # dominated by the fixed cost of a put per array (two per link of a deep chain); a small chain's arrays after
+    # its first link's go to the kernels as they are, beside the sum on the device (`_AS_ARGUMENT_BELOW`).
     put = functools.partial(jax.device_put, device=device)
     if not count and not isinstance(first, EncodedTensor):
         return put(np.asarray(first))  # a lossless first link alone: its exact values
@@ -1110,5 +1120,6 @@ def decode_chain(links: Sequence, device=None,
     fix_values = np.zeros(size, dtype)
     fix_values[:at.size] = a
     if at.size:
-        out = _put_at(out, *put([fix_at, fix_values]))
+        fix = [fix_at, fix_values]
+        out = _put_at(out, *(fix if fix_at.nbytes < _AS_ARGUMENT_BELOW else put(fix)))
     return out.reshape(shape) if size_n == n else _shaped(out, shape=tuple(shape))

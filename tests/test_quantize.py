@@ -280,7 +280,8 @@ def test_without_protection_the_kernel_skips_the_protect_pass_and_encodes_the_sa
 def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype, monkeypatch):
     """A small tensor's chain is decoded padded to a power of two (fewer kernel sizes to compile), a large one's as
     it is, and one that takes packed codes to a multiple of `PACKED_MULTIPLE`: the result is the link-by-link sum
-    of levels and protected values in the save's formula (plus_offset) each way."""
+    of levels and protected values in the save's formula (plus_offset) each way, and on another device than the
+    default one, there whether its small host arrays go to the kernels as they are or are put first."""
     rng = np.random.default_rng(0)
     n, bins = int(np.prod(shape)), 6
 
@@ -300,13 +301,20 @@ def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype
         expect = values if k == 0 else np.asarray(quantize.plus_offset(jnp.asarray(values), jnp.asarray(expect),
                                                                        jnp.dtype(dtype)))
     padded = quantize.decode_chain([(e, None) for e in links])
+    # On another device than the default one: a small chain's host arrays go to the kernels as they are and follow
+    # the sum there; put first, the same.
+    elsewhere = jax.devices()[2]
+    as_arguments = quantize.decode_chain([(e, None) for e in links], elsewhere)
+    monkeypatch.setattr(quantize, "_AS_ARGUMENT_BELOW", 0)
+    put_first = quantize.decode_chain([(e, None) for e in links], elsewhere)
+    assert as_arguments.devices() == put_first.devices() == {elsewhere}
     monkeypatch.setattr(quantize, "_CHAIN_PADDED_BELOW", 0)
     assert quantize.chain_size(n) == n and not quantize.takes_packed(n)
     plain = quantize.decode_chain([(e, None) for e in links])
     monkeypatch.setattr(quantize, "_PACKED_FROM", 0)
     assert quantize.takes_packed(n) and quantize.chain_size(n) == -(-n // 120) * 120
     to_120 = quantize.decode_chain([(e, None) for e in links])
-    for out in (padded, plain, to_120):
+    for out in (padded, as_arguments, put_first, plain, to_120):
         assert out.shape == shape and out.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expect.reshape(shape).view(np.uint8))
 
