@@ -288,28 +288,41 @@ class Segment:
     @classmethod
     def from_json(cls, d: Any) -> "Segment":
         # (Every offset table holds one of these per stored stream, and a restore reads the table of each object
-        # along its chains: the checks are written to cost little.)
-        _check(type(d) is dict, "a segment entry is not an object")
-        d = {"file": CODES_FILE, **d}  # format version 2 kept every segment in the code-stream file
+        # along its chains: the checks are written to cost little, each message made only for a failed one.)
+        if type(d) is not dict:
+            raise RecordError("a segment entry is not an object")
+        get = d.get
         for name in ("offset", "length", "crc32"):
-            v = d.get(name)
-            _check(type(v) is int and v >= 0, f"a segment has no valid {name!r}")
-        _check(d["file"] in (CODES_FILE, DATA_FILE) and type(d.get("codec")) is str, "a segment's file or codec")
-        _check(d.get("dtype") is None or d["dtype"] in DTYPES, f"a segment's dtype {str(d.get('dtype'))[:40]!r}")
+            v = get(name)
+            if type(v) is not int or v < 0:
+                raise RecordError(f"a segment has no valid {name!r}")
+        file = get("file", CODES_FILE)  # format version 2 kept every segment in the code-stream file
+        if file not in (CODES_FILE, DATA_FILE) or type(get("codec")) is not str:
+            raise RecordError("a segment's file or codec")
+        dtype = get("dtype")
+        if dtype is not None and dtype not in DTYPES:
+            raise RecordError(f"a segment's dtype {str(dtype)[:40]!r}")
         for name in ("count", "modulus"):
-            v = d.get(name)
-            _check(v is None or (type(v) is int and v >= 0), "a segment's count or modulus")
+            v = get(name)
+            if v is not None and (type(v) is not int or v < 0):
+                raise RecordError("a segment's count or modulus")
         for name in ("base", "prior"):
-            _check(d.get(name) is None or type(d[name]) is str, f"a segment's {name}")
-        levels = d.get("levels")
-        _check(levels is None or (type(levels) is list and 1 <= len(levels) <= MAX_LEVELS and all(
-            type(v) in (int, float) for v in levels)), "a segment's levels")
-        w = d.get("weighting")
-        _check(w is None or (isinstance(w, list) and all(isinstance(f, list) and all(
-            type(v) is int and -weighting.FACTOR_LIMIT <= v <= weighting.FACTOR_LIMIT for v in f) for f in w)),
-            "a segment's weighting")
-        known = _field_names(cls)
-        return cls(**{k: v for k, v in d.items() if k in known})
+            v = get(name)
+            if v is not None and type(v) is not str:
+                raise RecordError(f"a segment's {name}")
+        levels = get("levels")
+        if levels is not None and not (type(levels) is list and 1 <= len(levels) <= MAX_LEVELS and
+                                       set(map(type, levels)) <= _NUMBERS):
+            raise RecordError("a segment's levels")
+        w = get("weighting")
+        if w is not None and not (isinstance(w, list) and all(isinstance(f, list) and set(map(type, f)) <= _INT and (
+                not f or -weighting.FACTOR_LIMIT <= min(f) and max(f) <= weighting.FACTOR_LIMIT) for f in w)):
+            raise RecordError("a segment's weighting")
+        return cls(file=file, **{k: v for k, v in d.items() if k in _SEGMENT_FIELDS})
+
+
+_SEGMENT_FIELDS = _field_names(Segment) - {"file"}  # what `Segment.from_json` keeps of an entry, besides its file
+_NUMBERS, _INT = frozenset((int, float)), frozenset((int,))  # the exact types of JSON numbers (not bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,10 +338,13 @@ class Shard:
 
     @classmethod
     def from_json(cls, d: Any) -> "Shard":
-        _check(isinstance(d, dict) and isinstance(d.get("leaf"), str), "a shard entry has no leaf")
+        if not isinstance(d, dict) or not isinstance(d.get("leaf"), str):
+            raise RecordError("a shard entry has no leaf")
         box = d.get("box")
-        _check(isinstance(box, list) and all(_is_range(b) for b in box), f"shard of {d['leaf']}: invalid box")
-        _check(isinstance(d.get("segments"), dict), f"shard of {d['leaf']}: no segments")
+        if not isinstance(box, list) or not all(_is_range(b) for b in box):
+            raise RecordError(f"shard of {d['leaf']}: invalid box")
+        if not isinstance(d.get("segments"), dict):
+            raise RecordError(f"shard of {d['leaf']}: no segments")
         return cls(d["leaf"], box, {k: Segment.from_json(s) for k, s in d["segments"].items()})
 
 
