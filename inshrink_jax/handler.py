@@ -17,7 +17,6 @@ import warnings
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -230,7 +229,12 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
         # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
         # from its configuration.
-        recon = {k: save.auto_axes(jnp.copy(v)) for k, v in chained.items() if isinstance(v, jax.Array)}
+        # (One device_put of every leaf, not a jnp.copy each: that compiled a kernel per leaf shape, which a new
+        # process's first restore paid for.)
+        arrays = {k: v for k, v in chained.items() if isinstance(v, jax.Array)}
+        copies = jax.device_put(list(arrays.values()), [v.sharding for v in arrays.values()], may_alias=False) \
+            if arrays else []
+        recon = {k: save.auto_axes(c) for k, c in zip(arrays, copies)}
         self._states[(str(reader.root), reader.item)] = (save.state_of_restore(reader, recon), None)
         return out
 
