@@ -34,8 +34,8 @@ def _check_below(top: int, b: int) -> None:
 
 def _add_mod(a: np.ndarray, d: np.ndarray, b: int) -> np.ndarray:
     """(a + d) mod b for uint8 values below `b`, as uint8: in uint8 arithmetic where the sum cannot wrap (b <= 128;
-    about ten times faster than widening and looking the residue up, and a deep restore decodes one delta a
-    second moment and link), in wider integers beyond."""
+    faster than widening and looking the residue up, and a deep restore decodes one delta a second moment and
+    link), in wider integers beyond."""
     if b > 128:
         return ((a.astype(np.uint16) + d) % np.uint16(b)).astype(np.uint8)
     v = a + d
