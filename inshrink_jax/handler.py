@@ -229,12 +229,8 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         # Continue the chain from the restored step (its codes and reconstruction are on disk, committed, and
         # now held here: the reconstruction as a copy, since the caller may donate what it got), and the search
         # from its configuration.
-        # (One device_put of every leaf, not a jnp.copy each: that compiled a kernel per leaf shape, which a new
-        # process's first restore paid for.)
         arrays = {k: v for k, v in chained.items() if isinstance(v, jax.Array)}
-        copies = jax.device_put(list(arrays.values()), [v.sharding for v in arrays.values()], may_alias=False) \
-            if arrays else []
-        recon = {k: save.auto_axes(c) for k, c in zip(arrays, copies)}
+        recon = {k: save.auto_axes(c) for k, c in zip(arrays, save.copies(list(arrays.values())))}
         self._states[(str(reader.root), reader.item)] = (save.state_of_restore(reader, recon), None)
         return out
 

@@ -185,22 +185,25 @@ def with_small(p: Plan, cfg: CompressionConfig) -> Plan:
                                small=[], small_grads=[])
 
 
-def snapshot(p: Plan) -> Plan:
-    """`p` with copies of its arrays (leaves and gradients: device arrays copied on their devices with their
-    shardings, numpy arrays on the host), so the search and the encoders can run after save() returns: the
-    caller may then overwrite or donate what it passed. The copies are dispatched, not waited for."""
-    def copies(xs: list) -> list:
-        out = list(xs)
-        idx = [i for i, x in enumerate(xs) if isinstance(x, jax.Array)]
-        if idx:
-            copied = jax.device_put([xs[i] for i in idx], [xs[i].sharding for i in idx], may_alias=False)
-            for i, c in zip(idx, copied):
-                out[i] = c
-        for i, x in enumerate(xs):
-            if isinstance(x, np.ndarray):
-                out[i] = np.array(x, copy=True)
-        return out
+def copies(xs: list) -> list:
+    """`xs` with each device array copied on its devices with its sharding (one `jax.device_put` for all: no
+    kernel to compile per shape, as a `jnp.copy` each would) and each NumPy array copied on the host; anything else
+    as it is. Dispatched, not waited for."""
+    out = list(xs)
+    idx = [i for i, x in enumerate(xs) if isinstance(x, jax.Array)]
+    if idx:
+        copied = jax.device_put([xs[i] for i in idx], [xs[i].sharding for i in idx], may_alias=False)
+        for i, c in zip(idx, copied):
+            out[i] = c
+    for i, x in enumerate(xs):
+        if isinstance(x, np.ndarray):
+            out[i] = np.array(x, copy=True)
+    return out
 
+
+def snapshot(p: Plan) -> Plan:
+    """`p` with copies of its arrays (leaves and gradients, `copies`), so the search and the encoders can run
+    after save() returns: the caller may then overwrite or donate what it passed."""
     return dataclasses.replace(p, leaves=copies(p.leaves), grads=copies(p.grads), small_grads=copies(p.small_grads))
 
 
