@@ -157,7 +157,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         return self._background
 
     async def async_save(self, directory, args: "InshrinkSave" = None, **kwargs):
-        args = _save_args(args)
+        with store.gc_paused():
+            return await self._async_save(directory, _save_args(args))
+
+    async def _async_save(self, directory, args: "InshrinkSave"):
         started = time.perf_counter()
         cfg = self.config
         root, item, step = store.locate(directory)
@@ -185,6 +188,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._states[(str(root), item)] = (state, result)
 
         async def commit():
+            with store.gc_paused():
+                await commit_paused()
+
+        async def commit_paused():
             try:
                 d = dispatched
                 if d is None:  # the search and the encoders, on the snapshot, off the caller's thread
@@ -211,7 +218,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         store.finalize(directory)
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
-        args = _restore_args(args)
+        with store.gc_paused():
+            return self._restore(directory, _restore_args(args))
+
+    def _restore(self, directory, args: "InshrinkRestore | None"):
         try:
             reader = store.Reader(directory)
         except store.OrbaxWrittenStep:

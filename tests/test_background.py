@@ -1,5 +1,6 @@
 """Saves whose search and encoders run after save() returns (InshrinkCheckpointHandler(background=...))."""
 
+import gc
 import os
 import sys
 
@@ -98,6 +99,7 @@ def test_a_failed_background_save_is_not_committed_and_the_next_save_goes_on(tmp
         mngr.save(1, args=ij.InshrinkSave(w, eval_fn=lambda s: "good"))
         mngr.wait_until_finished()
     assert mngr.all_steps() == [0]
+    assert gc.isenabled()  # the failed save's pause of the collector ended with it
     w2 = {"w": w["w"] * 1.01}
     mngr.save(2, args=ij.InshrinkSave(w2, eval_fn=quality))
     mngr.wait_until_finished()
@@ -107,3 +109,32 @@ def test_a_failed_background_save_is_not_committed_and_the_next_save_goes_on(tmp
     q0, q = float(quality(w2)), float(quality(out))
     assert (q - q0) / abs(q0) == pytest.approx(rec["degradation"], abs=1e-6)
     assert abs(rec["degradation"]) <= ij.CompressionConfig().epsilon
+
+
+def test_saves_and_restores_run_without_the_collector_and_leave_it_on(tmp_path, monkeypatch):
+    """A save's encode (in the background) and a restore's decode run with Python's cyclic collector paused
+    (`store.gc_paused`), and the collector is on again once each is over."""
+    seen = []
+
+    def watched(module, name):
+        original = getattr(module, name)
+
+        def call(*a, **k):
+            seen.append((name, gc.isenabled()))
+            return original(*a, **k)
+        monkeypatch.setattr(module, name, call)
+    from inshrink_jax import restore
+    watched(save, "_encode_shard")
+    watched(restore, "restore")
+    w = {"w": jax.random.normal(jax.random.PRNGKey(0), (128, 64))}
+    mngr = manager(tmp_path, True)
+    for step in range(2):
+        mngr.save(step, args=ij.InshrinkSave(jax.tree.map(lambda x: x * (1 + step / 100), w)))
+        mngr.wait_until_finished()
+        assert gc.isenabled()
+    out = mngr.restore(1)
+    assert gc.isenabled()
+    error = np.asarray(out["w"]) - np.asarray(w["w"]) * 1.01
+    assert np.sqrt(np.mean(error ** 2)) <= 0.1  # the weights' RMS is 1
+    assert {name for name, _ in seen} == {"_encode_shard", "restore"}
+    assert not any(on for _, on in seen)

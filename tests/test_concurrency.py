@@ -2,6 +2,7 @@
 returns exactly the saved state of that step or fails because the step is gone (inshrink_jax's error says so;
 Orbax's own errors, when the step directory vanishes before the handler runs, vary); never other values."""
 
+import gc
 import os
 import shutil
 import sys
@@ -146,3 +147,35 @@ def test_a_file_missing_from_a_step_being_deleted_is_named_as_a_deletion(tmp_pat
     t0 = time.monotonic()
     err = store._missing(item, "commit record commit.json")
     assert str(err).endswith("commit record commit.json is missing") and time.monotonic() - t0 >= 0.2
+
+
+def test_gc_paused_is_reentrant_across_threads_and_restores_the_collector():
+    """The collector is off while any `gc_paused` block runs (blocks opened by two threads overlap: the first to
+    end does not turn it back on), and afterwards in the state it was in before the first opened."""
+    assert gc.isenabled()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with store.gc_paused():
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    with store.gc_paused():
+        assert not gc.isenabled()
+        t.start()
+        assert entered.wait(10)
+        with store.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert not gc.isenabled()  # the other thread's block is still open
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with store.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a caller's own choice to run without the collector is kept
+    finally:
+        gc.enable()
