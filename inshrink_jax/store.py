@@ -583,6 +583,7 @@ class _Object:
             raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
                                          "match the step's commit record (file replaced or corrupted)")
         self._sizes: dict[tuple[int, str], int] = {}
+        self._paths: dict[tuple[int, str], epath.Path] = {}
         self._files: dict[tuple[int, str], bytes] = {}  # small blobs, read whole once (`segment`)
         self._files_lock = threading.Lock()
         self.entries: dict[tuple, tuple[int, records.Shard]] = {}
@@ -598,12 +599,12 @@ class _Object:
 
     def segment(self, leaf: str, p: int, seg: records.Segment, name: str) -> bytes:
         """The checked bytes of one segment of process p's file."""
-        path = self.path / blob_name(p, seg.file)
         expect = self.commit["processes"][p]["blob_bytes" if seg.file == CODES_FILE else "data_bytes"]
         try:
-            if (p, seg.file) not in self._sizes:  # each file's size is checked once
-                self._sizes[(p, seg.file)] = path.stat().length
-            size = self._sizes[(p, seg.file)]
+            if (p, seg.file) not in self._sizes:  # each file's path and size are found once
+                self._paths[(p, seg.file)] = self.path / blob_name(p, seg.file)
+                self._sizes[(p, seg.file)] = self._paths[(p, seg.file)].stat().length
+            path, size = self._paths[(p, seg.file)], self._sizes[(p, seg.file)]
             if size != expect or seg.offset + seg.length > size:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: {path} has {size} bytes, "
                                              f"expected {expect} (truncated?)")
@@ -637,7 +638,7 @@ class _Object:
         """The one checked decode path: a segment's bytes (checksum), decompressed to exactly the size of
         `shape` x `dtype` (nothing larger is allocated), as an array of that shape."""
         dtype = np.dtype(dtype)
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize
         with self._decoding(leaf, name):
             raw = codec.decompress_array(self.segment(leaf, p, seg, name), seg.codec, size, dtype.itemsize)
         return raw.view(dtype).reshape(shape)
@@ -649,8 +650,7 @@ class _Object:
         if seg.codec not in codec.PACKED_CODECS:
             return None
         with self._decoding(leaf, name):
-            return codec.packed_values(self.segment(leaf, p, seg, name), seg.codec,
-                                       int(np.prod(shape, dtype=np.int64)), slots)
+            return codec.packed_values(self.segment(leaf, p, seg, name), seg.codec, math.prod(shape), slots)
 
     @contextlib.contextmanager
     def _decoding(self, leaf: str, name: str):
