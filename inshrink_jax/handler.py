@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import gc
 import os
+import sys
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -27,6 +30,43 @@ from orbax.checkpoint._src.metadata import checkpoint as step_metadata
 from inshrink_jax import restore, save, store
 from inshrink_jax.base import BaseCheckpoint
 from inshrink_jax.config import CompressionConfig
+
+
+class _Held:
+    """A process-wide interpreter setting held at `value` while any block of it runs (reentrant, from any
+    thread), and put back as it was when the last block ends, unless something else changed it meanwhile."""
+
+    def __init__(self, get: Callable[[], Any], put: Callable[[Any], None], value: Callable[[Any], Any]):
+        self._get, self._put, self._value = get, put, value
+        self._lock = threading.Lock()
+        self._open, self._before, self._held = 0, None, None
+
+    def __enter__(self):
+        with self._lock:
+            if self._open == 0:
+                self._before = self._get()
+                if self._value(self._before) != self._before:
+                    self._put(self._value(self._before))
+                self._held = self._get()  # as the interpreter keeps it (a switch interval in whole microseconds)
+            self._open += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._open -= 1
+            if self._open == 0 and self._get() == self._held != self._before:
+                self._put(self._before)
+
+
+# While a save or a restore runs: Python's cyclic garbage collector off. Both allocate many small containers
+# (parsed records, segment entries, per-stream arrays, traced kernels) that reference counting frees; the collector,
+# triggered by their count, would meanwhile scan the whole heap of a JAX and Flax process (hundreds of thousands of
+# objects) again and again, holding the interpreter lock that the training thread needs.
+_COLLECTOR_PAUSED = _Held(gc.isenabled, lambda on: gc.enable() if on else gc.disable(), lambda _: False)
+# While a save's background work runs (its search, tracing and encoders, beside the training thread): the
+# interpreter's thread switch interval at most 0.5 ms instead of its default 5 ms, so that the training thread
+# (and Orbax's save() starting its threads) waits that long at most for the lock the background thread holds.
+SWITCH_INTERVAL_S = 0.0005
+_SHORT_SWITCHES = _Held(sys.getswitchinterval, sys.setswitchinterval, lambda now: min(now, SWITCH_INTERVAL_S))
 
 
 _DISCARD_ATTEMPTS = 5
@@ -157,7 +197,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         return self._background
 
     async def async_save(self, directory, args: "InshrinkSave" = None, **kwargs):
-        with store.gc_paused():
+        with _COLLECTOR_PAUSED:
             return await self._async_save(directory, _save_args(args))
 
     async def _async_save(self, directory, args: "InshrinkSave"):
@@ -188,10 +228,10 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         self._states[(str(root), item)] = (state, result)
 
         async def commit():
-            with store.gc_paused():
-                await commit_paused()
+            with _COLLECTOR_PAUSED, _SHORT_SWITCHES:
+                await commit_held()
 
-        async def commit_paused():
+        async def commit_held():
             try:
                 d = dispatched
                 if d is None:  # the search and the encoders, on the snapshot, off the caller's thread
@@ -218,7 +258,7 @@ class InshrinkCheckpointHandler(ocp.AsyncCheckpointHandler):
         store.finalize(directory)
 
     def restore(self, directory, args: "InshrinkRestore" = None, **kwargs):
-        with store.gc_paused():
+        with _COLLECTOR_PAUSED:
             return self._restore(directory, _restore_args(args))
 
     def _restore(self, directory, args: "InshrinkRestore | None"):

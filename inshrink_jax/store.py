@@ -30,7 +30,6 @@ by the manifest. All I/O goes through `etils.epath`, so any root Orbax accepts i
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import math
 import re
@@ -66,35 +65,6 @@ _OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 
 class CheckpointCorruptError(RuntimeError):
     """A checkpoint file is missing, truncated, does not match its checksum, or does not parse."""
-
-
-_gc_lock = threading.Lock()
-_gc_pauses = [0, False]  # [open gc_paused() blocks, whether the collector was enabled when the first opened]
-
-
-@contextlib.contextmanager
-def gc_paused():
-    """Python's cyclic garbage collector off while the block runs (reentrant, from any thread), back to its
-    previous setting when the last such block ends.
-
-    A restore or a save's encode allocates many small containers (parsed records, segment entries, per-stream
-    arrays) that reference counting frees; the collector, triggered by their count, would meanwhile scan the
-    process's whole heap (a JAX and Flax process holds hundreds of thousands of objects) several times over, all
-    holding the interpreter lock the training thread needs. Nothing these blocks allocate forms cycles that must be
-    collected before they end.
-    """
-    with _gc_lock:
-        if _gc_pauses[0] == 0:
-            _gc_pauses[1] = gc.isenabled()
-            gc.disable()
-        _gc_pauses[0] += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pauses[0] -= 1
-            if _gc_pauses[0] == 0 and _gc_pauses[1]:
-                gc.enable()
 
 
 @contextlib.contextmanager

@@ -112,15 +112,17 @@ def test_a_failed_background_save_is_not_committed_and_the_next_save_goes_on(tmp
 
 
 def test_saves_and_restores_run_without_the_collector_and_leave_it_on(tmp_path, monkeypatch):
-    """A save's encode (in the background) and a restore's decode run with Python's cyclic collector paused
-    (`store.gc_paused`), and the collector is on again once each is over."""
-    seen = []
+    """A save's encode (in the background) and a restore's decode run with Python's cyclic collector paused, the
+    encode also with a short thread switch interval, and both are as before once each is over."""
+    from inshrink_jax.handler import SWITCH_INTERVAL_S
+    seen, interval = [], sys.getswitchinterval()
+    assert interval > SWITCH_INTERVAL_S
 
     def watched(module, name):
         original = getattr(module, name)
 
         def call(*a, **k):
-            seen.append((name, gc.isenabled()))
+            seen.append((name, gc.isenabled(), sys.getswitchinterval()))
             return original(*a, **k)
         monkeypatch.setattr(module, name, call)
     from inshrink_jax import restore
@@ -131,10 +133,12 @@ def test_saves_and_restores_run_without_the_collector_and_leave_it_on(tmp_path, 
     for step in range(2):
         mngr.save(step, args=ij.InshrinkSave(jax.tree.map(lambda x: x * (1 + step / 100), w)))
         mngr.wait_until_finished()
-        assert gc.isenabled()
+        assert gc.isenabled() and sys.getswitchinterval() == interval
     out = mngr.restore(1)
-    assert gc.isenabled()
+    assert gc.isenabled() and sys.getswitchinterval() == interval
     error = np.asarray(out["w"]) - np.asarray(w["w"]) * 1.01
     assert np.sqrt(np.mean(error ** 2)) <= 0.1  # the weights' RMS is 1
-    assert {name for name, _ in seen} == {"_encode_shard", "restore"}
-    assert not any(on for _, on in seen)
+    assert {name for name, _, _ in seen} == {"_encode_shard", "restore"}
+    assert not any(on for _, on, _ in seen)
+    assert all(s == SWITCH_INTERVAL_S for name, _, s in seen if name == "_encode_shard")
+    assert all(s == interval for name, _, s in seen if name == "restore")

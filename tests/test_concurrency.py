@@ -149,23 +149,25 @@ def test_a_file_missing_from_a_step_being_deleted_is_named_as_a_deletion(tmp_pat
     assert str(err).endswith("commit record commit.json is missing") and time.monotonic() - t0 >= 0.2
 
 
-def test_gc_paused_is_reentrant_across_threads_and_restores_the_collector():
-    """The collector is off while any `gc_paused` block runs (blocks opened by two threads overlap: the first to
-    end does not turn it back on), and afterwards in the state it was in before the first opened."""
+def test_held_interpreter_settings_are_reentrant_across_threads_and_put_back():
+    """The collector is off while any block holding it off runs (blocks opened by two threads overlap: the first
+    to end does not turn it back on), and afterwards as it was before the first opened; a caller's own choice to
+    run without it is kept; the switch interval is lowered, never raised, and put back unless changed meanwhile."""
+    from inshrink_jax.handler import _COLLECTOR_PAUSED, _SHORT_SWITCHES, SWITCH_INTERVAL_S
     assert gc.isenabled()
     entered, leave = threading.Event(), threading.Event()
 
     def other():
-        with store.gc_paused():
+        with _COLLECTOR_PAUSED:
             entered.set()
             leave.wait(10)
 
     t = threading.Thread(target=other)
-    with store.gc_paused():
+    with _COLLECTOR_PAUSED:
         assert not gc.isenabled()
         t.start()
         assert entered.wait(10)
-        with store.gc_paused():
+        with _COLLECTOR_PAUSED:
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert not gc.isenabled()  # the other thread's block is still open
@@ -174,8 +176,24 @@ def test_gc_paused_is_reentrant_across_threads_and_restores_the_collector():
     assert gc.isenabled()
     gc.disable()
     try:
-        with store.gc_paused():
+        with _COLLECTOR_PAUSED:
             assert not gc.isenabled()
-        assert not gc.isenabled()  # a caller's own choice to run without the collector is kept
+        assert not gc.isenabled()
     finally:
         gc.enable()
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        with _SHORT_SWITCHES:
+            assert sys.getswitchinterval() == SWITCH_INTERVAL_S
+        assert sys.getswitchinterval() == 0.005
+        sys.setswitchinterval(0.0001)
+        lower = sys.getswitchinterval()  # the interpreter keeps whole microseconds
+        with _SHORT_SWITCHES:
+            assert sys.getswitchinterval() == lower
+        assert sys.getswitchinterval() == lower
+        with _SHORT_SWITCHES:
+            sys.setswitchinterval(0.01)  # someone else's setting, made meanwhile, is theirs to keep
+        assert sys.getswitchinterval() == 0.01
+    finally:
+        sys.setswitchinterval(before)
