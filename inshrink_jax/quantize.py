@@ -227,9 +227,9 @@ class Kind(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
-                                             "protects"))
+                                             "protects", "prunes"))
 def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
-            kinds, spec, sigma, iters, tol, restarts, uniform, protects):
+            kinds, spec, sigma, iters, tol, restarts, uniform, protects, prunes):
     """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor:
     `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`); the tensors of one type
     share the prune threshold. The configuration is traced, not static, so one compiled kernel serves every
@@ -238,7 +238,10 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
     without it the per-tensor selection of the largest values (radix histograms of thousands of buckets a tensor,
     whatever its size: `threshold.kth_largest`) is not compiled; a search space's protect fractions are all
     positive (keyframes) or all 0 (closed-loop residuals), so each
-    compiles one kernel). A tensor with an offset is encoded as its residual
+    compiles one kernel; `prunes`, false for uniform levels without pruning (`encode_on_device`: the default
+    residual space's every candidate), leaves the prune threshold's radix passes out of the program, which a
+    configuration without pruning skips at run time anyway: the same codes, a smaller kernel to compile for the
+    first closed-loop residual save of a process). A tensor with an offset is encoded as its residual
     x - offset (its prune and protect scores are then those of the change against the offset); with `factors`
     as well (weighting.py), as the weighted residual (x - offset) / M.
 
@@ -259,7 +262,7 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
     where they remove the most squared error); each value takes the level of least squared error plus that
     weight times the level's code length (`kmeans.entropy_constrained`)."""
     parts = [_partition(xs[t], gs[t], offsets[t], factors[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec,
-                        protects) for t, kind in enumerate(kinds)]
+                        protects, prunes) for t, kind in enumerate(kinds)]
     keys = [jax.random.split(keys[t], len(xs[t]))[np.asarray(part.order)] for t, part in enumerate(parts)]
     fitted = {}
     for own in (False, True):
@@ -313,7 +316,7 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
     den = jnp.float32(0)
     for t, kind in enumerate(kinds):
         n = len(xs[t])
-        part = _partition(xs[t], [None] * n, offsets[t], factors[t], False, 0.0, 0.0, kind, spec, False)
+        part = _partition(xs[t], [None] * n, offsets[t], factors[t], False, 0.0, 0.0, kind, spec, False, False)
         rows = np.cumsum([0] + [len(b) for b in kind.buckets])
         for k, (b, (x32, finite, _, _)) in enumerate(zip(kind.buckets, part.scored)):
             x, off = stacked([xs[t][i] for i in b]), stacked([offsets[t][i] for i in b])
@@ -382,11 +385,11 @@ class _Partition(NamedTuple):
 
 
 def _partition(xs, gs, offsets, factors, use_sensitivity, protect_fraction, prune_fraction, kind: Kind, spec,
-               protects: bool) -> _Partition:
+               protects: bool, prunes: bool) -> _Partition:
     """Protect (the top `protect_fraction` of each tensor by magnitude, or by sensitivity as well, when
     `protects`; and every non-finite value), prune (the `prune_fraction` least important of the type's other
-    prunable values; none with entropy-constrained levels, which prune by their zero level), and the histograms of
-    the rest."""
+    prunable values, when `prunes`; none with entropy-constrained levels, which prune by their zero level), and
+    the histograms of the rest."""
     def top(score, finite):
         return threshold.kth_largest([score], [finite], fraction=protect_fraction).select(score)
 
@@ -414,7 +417,7 @@ def _partition(xs, gs, offsets, factors, use_sensitivity, protect_fraction, prun
               for (_, _, mag, sens), (_, g) in zip(scored, groups)]
     can_prune = [kind.prunable[b[0]] for b in kind.buckets]
     candidates = [~p & can for p, can in zip(protected, can_prune)]
-    if any(can_prune) and not kind.entropy_slots:  # entropy-constrained levels prune by their zero level
+    if prunes and any(can_prune) and not kind.entropy_slots:  # entropy-constrained levels: by their zero level
         def prune(_):
             keep, _ = threshold.kth_smallest_complement(metric, candidates, fraction=prune_fraction, stacked=True)
             return [c & ~keep.select(m) for c, m in zip(candidates, metric)]
@@ -684,7 +687,7 @@ def encode_on_device(
             [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
             kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
             iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
-            protects=quant.protect_fraction > 0)
+            protects=quant.protect_fraction > 0, prunes=quant.prune_fraction > 0 or quant.step == 0)
         for t, per_bucket in zip(ts, results):
             for b, stacks in zip(kinds[t].buckets, per_bucket):
                 for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -391,3 +393,36 @@ def test_a_chain_by_plain_sums_is_the_formulas_bit_for_bit(dtype, links, scale, 
                 chain[k] = (e._replace(codes=quantize.PackedCodes(got[0], got[1], shape)), None)
         out = np.asarray(quantize.decode_chain(chain))
     np.testing.assert_array_equal(out.view(np.uint8), expect.view(np.uint8))
+
+
+def test_uniform_levels_without_pruning_compile_no_prune_threshold_and_encode_the_same(monkeypatch):
+    """A uniform configuration without pruning (every candidate of the default residual space) runs a kernel
+    without the prune threshold's passes (`prunes` False), and encodes exactly what the kernel with them encodes
+    at prune fraction 0: codes, levels and protected values, bit for bit; k-means and pruning configurations keep
+    the kernel with them."""
+    rng = np.random.default_rng(3)
+    xs = [jnp.asarray(rng.standard_t(3, size=s).astype(np.float32)) for s in ((96, 64), (96, 64), (64,), (40, 8))]
+    offsets = [x + jnp.asarray(rng.normal(0, 0.01, x.shape).astype(np.float32)) for x in xs]
+    cfg = CompressionConfig()
+    calls = []
+    original = quantize._encode
+
+    def recorded(*a, **k):
+        calls.append(k["prunes"])
+        return original(*a, **k)
+
+    monkeypatch.setattr(quantize, "_encode", recorded)
+    uniform = QuantConfig(bins=15, prune_fraction=0.0, protect_fraction=0.0, step=0.5)
+    lean = quantize.encode_on_device(xs, [None] * 4, ["dense"] * 4, uniform, cfg, offsets=offsets)
+    monkeypatch.setattr(quantize, "_encode", lambda *a, **k: recorded(*a, **{**k, "prunes": True}))
+    full = quantize.encode_on_device(xs, [None] * 4, ["dense"] * 4, uniform, cfg, offsets=offsets)
+    assert calls == [False, True]
+    for a, b in zip(lean, full):
+        for name in ("codes", "centres", "protected_in_place"):
+            np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+    monkeypatch.setattr(quantize, "_encode", recorded)
+    calls.clear()
+    quantize.encode_on_device(xs, [None] * 4, ["dense"] * 4, QuantConfig(bins=8, prune_fraction=0.0), cfg)
+    quantize.encode_on_device(xs, [None] * 4, ["dense"] * 4, dataclasses.replace(uniform, prune_fraction=0.1),
+                              cfg, offsets=offsets)
+    assert calls == [True, True]
