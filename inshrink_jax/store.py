@@ -570,11 +570,13 @@ class _Object:
     def segment(self, leaf: str, p: int, seg: records.Segment, name: str) -> bytes:
         """The checked bytes of one segment of process p's file."""
         expect = self.commit["processes"][p]["blob_bytes" if seg.file == CODES_FILE else "data_bytes"]
+        if (p, seg.file) not in self._paths:  # each file's path and size are found once
+            self._paths[(p, seg.file)] = self.path / blob_name(p, seg.file)
+        path = self._paths[(p, seg.file)]
         try:
-            if (p, seg.file) not in self._sizes:  # each file's path and size are found once
-                self._paths[(p, seg.file)] = self.path / blob_name(p, seg.file)
-                self._sizes[(p, seg.file)] = self._paths[(p, seg.file)].stat().length
-            path, size = self._paths[(p, seg.file)], self._sizes[(p, seg.file)]
+            if (p, seg.file) not in self._sizes:
+                self._sizes[(p, seg.file)] = path.stat().length
+            size = self._sizes[(p, seg.file)]
             if size != expect or seg.offset + seg.length > size:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: {path} has {size} bytes, "
                                              f"expected {expect} (truncated?)")

@@ -256,6 +256,9 @@ def test_corruption_is_a_clear_error(tmp_path, victim, whole, monkeypatch):
     path.write_bytes(bytes(data[: len(data) // 3]))  # truncated
     with pytest.raises((ij.CheckpointCorruptError, ValueError), match="step 0, item 'default'"):
         mngr.restore(0)
+    path.unlink()  # missing: the error names the file
+    with pytest.raises(ij.CheckpointCorruptError, match=re.escape(name)):
+        mngr.restore(0)
 
 
 def test_blobs_read_whole_or_by_segment_restore_the_same_bits(tmp_path, monkeypatch):
