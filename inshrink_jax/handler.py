@@ -2,8 +2,9 @@
 
 Only Orbax's protocol lives here, and how its calls run beside the training thread (`_Held`: Python's garbage
 collector paused during a save or a restore, a short thread switch interval during a save's background work); the
-work is in save.py (plan -> encode on the device -> background write), restore.py and store.py. State that outlives a save (the chain a delta builds on, the search's last choice) is a
-`save.ItemState` per (root, item): one handler instance serves any number of items and managers.
+work is in save.py (plan -> encode on the device -> background write), restore.py and store.py. State that
+outlives a save (the chain a delta builds on, the search's last choice) is a `save.ItemState` per (root, item): one
+handler instance serves any number of items and managers.
 See DESIGN.md sections 1-5, docs/how-it-works.md and docs/format.md.
 """
 
