@@ -405,7 +405,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     if quant is None:  # lossless: no weight quantized at this save
         for i in weights:
             recs[i] = dataclasses.replace(recs[i], kind="array", method=None, layer_type=None, coding=coding)
-        new_recon = [jnp.copy(x) for x in xs] if closed else []  # exact: the chain starts again from it
+        new_recon = copies(xs) if closed else []  # exact: the chain starts again from it
         weights, devs, residual = [], [], False
     else:
         for i in p.base_of:
@@ -443,7 +443,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
                 "empty": p.empty,
                 "sensitivity": (f"gradient EMA on {sum(g is not None for g in p.grads)} of {len(p.grads)} "
                                 "quantized leaves" if p.grads_given else "magnitude (no grads given)")}
-    new_recon = new_recon + [jnp.copy(p.leaves[i]) for i in small]
+    new_recon = new_recon + copies([p.leaves[i] for i in small])
     after = dict(quant=chain.quant if residual else choice,
                  residual_quant=choice if residual and isinstance(choice, QuantConfig) else chain.residual_quant,
                  recon={p.records[i].keystr: r for i, r in zip(p.weights + small, new_recon)},

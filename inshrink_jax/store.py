@@ -552,8 +552,7 @@ class _Object:
                     "saved there). This step decodes only against the base it was saved with.")
             raise CheckpointCorruptError(f"{describe(directory)}: commit record of object {object_id} does not "
                                          "match the step's commit record (file replaced or corrupted)")
-        self._sizes: dict[tuple[int, str], int] = {}
-        self._paths: dict[tuple[int, str], epath.Path] = {}
+        self._blobs: dict[tuple[int, str], tuple[epath.Path, int]] = {}  # (process, file) -> its path and size
         self._files: dict[tuple[int, str], bytes] = {}  # small blobs, read whole once (`segment`)
         self._files_lock = threading.Lock()
         self.entries: dict[tuple, tuple[int, records.Shard]] = {}
@@ -570,13 +569,12 @@ class _Object:
     def segment(self, leaf: str, p: int, seg: records.Segment, name: str) -> bytes:
         """The checked bytes of one segment of process p's file."""
         expect = self.commit["processes"][p]["blob_bytes" if seg.file == CODES_FILE else "data_bytes"]
-        if (p, seg.file) not in self._paths:  # each file's path and size are found once
-            self._paths[(p, seg.file)] = self.path / blob_name(p, seg.file)
-        path = self._paths[(p, seg.file)]
+        known = self._blobs.get((p, seg.file))  # each file's path and size are found once
+        path, size = known if known is not None else (self.path / blob_name(p, seg.file), None)
         try:
-            if (p, seg.file) not in self._sizes:
-                self._sizes[(p, seg.file)] = path.stat().length
-            size = self._sizes[(p, seg.file)]
+            if size is None:
+                size = path.stat().length
+                self._blobs[(p, seg.file)] = (path, size)
             if size != expect or seg.offset + seg.length > size:
                 raise CheckpointCorruptError(f"{describe(self.directory)}: leaf {leaf}: {path} has {size} bytes, "
                                              f"expected {expect} (truncated?)")
