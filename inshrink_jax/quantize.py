@@ -25,7 +25,7 @@ import concurrent.futures
 import functools
 import math
 import re
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -291,16 +291,34 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
     return out
 
 
-def error_sums(x, d, w, ref):
+def error_sums(x, d, w, ref, masked: bool = True):
     """(sum of w (x - d)^2, sum of w (x - ref)^2) over the finite elements of `x` (float32; `w` None for 1,
     `ref` None for 0): the two sums of the search's data-free proxy (`search.proxy_degradation`), for one tensor
-    or a stack of them (inside a jitted kernel)."""
+    or a stack of them (inside a jitted kernel). `masked` False: over every element (`finite_or_masked`)."""
     x32 = x.astype(jnp.float32)
-    fin = jnp.isfinite(x32)
     w = 1.0 if w is None else jnp.square(w.astype(jnp.float32))
-    num = jnp.sum(jnp.where(fin, w * jnp.square(x32 - d.astype(jnp.float32)), 0.0))
     r = x32 if ref is None else x32 - ref.astype(jnp.float32)
-    return num, jnp.sum(jnp.where(fin & jnp.isfinite(r), w * jnp.square(r), 0.0))
+    d32 = d.astype(jnp.float32)
+    if jnp.dtype(d.dtype).itemsize < 4:  # `d` as stored: XLA may drop a float32 -> 16-bit -> float32 round trip
+        # in a fused kernel (excess precision), and scored what no restore gives
+        info = jnp.finfo(d.dtype)
+        d32 = jax.lax.reduce_precision(d32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    de, dr = w * jnp.square(x32 - d32), w * jnp.square(r)
+    if not masked:
+        return jnp.sum(de), jnp.sum(dr)
+    fin = jnp.isfinite(x32)
+    return jnp.sum(jnp.where(fin, de, 0.0)), jnp.sum(jnp.where(fin & jnp.isfinite(r), dr, 0.0))
+
+
+def finite_or_masked(sums: Callable[[bool], Any]):
+    """`sums(masked)` (a pytree of float sums, traced), computed unmasked when every one of those sums is finite
+    and masked otherwise: where every term is finite the two are the same sums. XLA's CPU backend runs a
+    reduction with a select in it an element at a time, about ten times slower than one without (ad hoc, 100M
+    values); a non-finite term (a value stored exactly, an overflowing square) makes a plain sum non-finite and
+    sends the sums through the mask. Call it outside any vmap (a vmapped cond computes both branches)."""
+    plain = sums(False)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(plain)]))
+    return jax.lax.cond(finite, lambda: plain, lambda: sums(True))
 
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "dtypes"))
@@ -323,20 +341,21 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
             fs = None if factors[t][b[0]] is None else [stacked([factors[t][i][d] for i in b])
                                                         for d in range(x.ndim - 1)]
             w = None if fs is None else weighting.pow2(-weighting.exponents(fs))
-            den += error_sums(x, off, w, off)[1]
+            den += finite_or_masked(lambda masked: error_sums(x, off, w, off, masked)[1])
             in_place = _in_place(part.values[k], ~finite, kind.out_dtypes[b[0]])
             counts = part.counts[rows[k]:rows[k + 1]]
 
-            def candidate(nb, step):
+            def candidate(nb, step, masked):
                 centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, nb, step, kind.capacity))(counts)
                 centres = jnp.where(jnp.arange(kind.capacity) < nb, centres, 0.0)  # as `_level_codes`
                 code = jnp.where(finite, 1 + jax.vmap(lambda v, wd: uniform_cell(v, wd, nb))(x32, widths), nb + 1)
                 d = jax.vmap(lambda cd, ce, v, o, *f: _dequantize_one(cd, ce, v, nb, o, None, f or None,
                                                                       dtypes[t][b[0]]))(
                     code, centres, in_place, off, *(fs or ()))
-                return error_sums(x, d, w, off)[0]
+                return error_sums(x, d, w, off, masked)[0]
 
-            nums += jax.vmap(candidate)(bins[t], steps)
+            nums += finite_or_masked(lambda masked: jax.vmap(functools.partial(candidate, masked=masked))(
+                bins[t], steps))
     return nums, den
 
 
@@ -450,13 +469,26 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
         level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
-        if uniform:  # a cell no value takes is never decoded: stored as 0 (the records of 63 cells stay short)
-            taken = jax.vmap(lambda lv, keep: jnp.zeros(kind.capacity, bool).at[lv.reshape(-1) - 1].max(
-                keep.reshape(-1)))(level, ~(p | q))
-            c = jnp.where(taken, c, 0.0)
+        if uniform:  # a cell outside the range the values take is never decoded: stored as 0 (the records of
+            # 63 cells stay short). The range from two reductions, not a scatter of every value into the cells:
+            # XLA's CPU scatter cost a 100M-parameter residual save a fifth of its encode (ad hoc).
+            c = jnp.where(_taken_range(code, bins, kind.capacity), c, 0.0)
         out.append((code, jnp.where(used, c, 0.0), _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
     return out
+
+
+def _taken_range(code, bins, capacity: int):
+    """Per stacked tensor (leading axis) of uint8 `code`s, which of the `capacity` cells (codes 1..capacity) lie
+    between the lowest and the highest code of a quantized value (1..`bins`: not pruned, not protected) that it
+    holds: (tensors, capacity) bool, all False for a tensor with none. Reduced over the uint8 codes: over int32
+    levels XLA's CPU backend wrote each select out in full first (seven times slower, ad hoc)."""
+    axes = tuple(range(1, code.ndim))
+    top = bins.astype(jnp.uint8)
+    lo = jnp.min(jnp.where((code >= 1) & (code <= top), code, jnp.uint8(255)), axis=axes).astype(jnp.int32)
+    hi = jnp.max(jnp.where(code <= top, code, jnp.uint8(0)), axis=axes).astype(jnp.int32)
+    slot = jnp.arange(1, capacity + 1)
+    return (slot >= lo[:, None]) & (slot <= hi[:, None])
 
 
 def _entropy_codes(part: _Partition, kind: Kind, rate, spec, n: int):

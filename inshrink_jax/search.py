@@ -387,7 +387,7 @@ def _sums(xs, dequantized, gs, references):
     """(numerator, denominator) of `proxy_degradation` over tensors on one device set (traced)."""
     num = den = jnp.float32(0)
     for x, d, g, r in zip(xs, dequantized, gs, references):
-        n, m = quantize.error_sums(x, d, g, r)
+        n, m = quantize.finite_or_masked(lambda masked: quantize.error_sums(x, d, g, r, masked))
         num, den = num + n, den + m
     return num, den
 

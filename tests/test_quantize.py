@@ -426,3 +426,51 @@ def test_uniform_levels_without_pruning_compile_no_prune_threshold_and_encode_th
     quantize.encode_on_device(xs, [None] * 4, ["dense"] * 4, dataclasses.replace(uniform, prune_fraction=0.1),
                               cfg, offsets=offsets)
     assert calls == [True, True]
+
+
+def test_uniform_cells_outside_the_range_of_the_codes_are_stored_as_zero():
+    """A uniform residual's levels: the cells from the lowest to the highest code a quantized value takes keep
+    their level (a cell inside that range that no value takes too: it is never decoded), those outside it are 0;
+    a non-finite value (protected, code bins + 1) does not widen the range."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    x[x > 0] *= 0.1  # positive side squeezed: the cells above about +1 RMS hold nothing
+    x[0, 0] = np.inf
+    off = np.zeros_like(x)
+    q = QuantConfig(bins=63, protect_fraction=0.0, prune_fraction=0.0, step=0.25)
+    [d] = quantize.encode_on_device([jnp.asarray(x)], [None], ["dense"], q, CompressionConfig(),
+                                    offsets=[jnp.asarray(off)], sigma=quantize.RESIDUAL_SIGMA)
+    codes, centres = np.asarray(d.codes), np.asarray(d.centres)[:63]
+    assert codes[0, 0] == 64
+    used = codes[codes <= 63]
+    lo, hi = int(used.min()), int(used.max())
+    assert 1 < lo and hi < 63  # both tails of the range lie inside the 63 cells
+    inside = np.arange(1, 64)[(np.arange(1, 64) >= lo) & (np.arange(1, 64) <= hi)]
+    assert np.count_nonzero(centres[inside - 1]) == inside.size - 1  # all but the cell centred on 0 (code 32)
+    assert lo <= 32 <= hi and centres[31] == 0
+    assert np.all(centres[:lo - 1] == 0) and np.all(centres[hi:] == 0)
+    table = np.concatenate([[0.0], centres, [0.0]])
+    decoded = np.where(codes == 64, x, table[np.minimum(codes, 64)])
+    assert np.array_equal(decoded, np.asarray(d.dequantize(jnp.float32)))
+
+
+@pytest.mark.parametrize("non_finite", [False, True])
+def test_proxy_sums_are_plain_when_finite_and_masked_otherwise(non_finite):
+    """`quantize.finite_or_masked`: the error sums over every element when all are finite (the float64 sums,
+    within float32 rounding), and the masked sums, exactly, when a term is not finite."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((300, 70)).astype(np.float32)
+    d = x + 0.01 * rng.standard_normal(x.shape).astype(np.float32)
+    ref = x + 0.1 * rng.standard_normal(x.shape).astype(np.float32)
+    if non_finite:
+        x[5, 5] = d[5, 5] = np.inf
+    args = [jnp.asarray(a) for a in (x, d)] + [None, jnp.asarray(ref)]
+    got = jax.jit(lambda x, d, ref: quantize.finite_or_masked(
+        lambda m: quantize.error_sums(x, d, None, ref, m)))(args[0], args[1], args[3])
+    masked = jax.jit(lambda x, d, ref: quantize.error_sums(x, d, None, ref, True))(args[0], args[1], args[3])
+    fin = np.isfinite(x)
+    x64, d64, r64 = (np.asarray(a, np.float64)[fin] for a in (x, d, ref))
+    want = (np.sum((x64 - d64) ** 2), np.sum((x64 - r64) ** 2))
+    assert all(np.isfinite(float(g)) and float(g) == pytest.approx(w, rel=1e-5) for g, w in zip(got, want))
+    if non_finite:
+        assert [float(g) for g in got] == [float(m) for m in masked]
