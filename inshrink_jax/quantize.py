@@ -329,7 +329,15 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
     The partition and the histograms (the scatter passes) do not depend on the candidate and run once; the rest
     is vmapped over the candidates (one pass over the values each; compiled once whatever their number).
     `bins[t]` (int32, one per candidate) and `steps` (float32, one per candidate): each candidate's bin count of
-    group t and cell width. Returns (the numerators, one per candidate; the denominator)."""
+    group t and cell width. Returns (the numerators, one per candidate; the denominator). Summed plainly where
+    every sum comes out finite, else masked (`finite_or_masked`), the whole computation from the inputs either
+    way: a branch per bucket made XLA write the operands of the masked one out in full (slower at 100M, ad hoc)."""
+    return finite_or_masked(lambda masked: _residual_sums(xs, offsets, factors, bins, steps, kinds, spec, dtypes,
+                                                          masked))
+
+
+def _residual_sums(xs, offsets, factors, bins, steps, kinds, spec, dtypes, masked: bool):
+    """`_uniform_residual_sums`' sums, masked (`error_sums`) or not."""
     nums = jnp.zeros(steps.shape, jnp.float32)
     den = jnp.float32(0)
     for t, kind in enumerate(kinds):
@@ -341,11 +349,11 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
             fs = None if factors[t][b[0]] is None else [stacked([factors[t][i][d] for i in b])
                                                         for d in range(x.ndim - 1)]
             w = None if fs is None else weighting.pow2(-weighting.exponents(fs))
-            den += finite_or_masked(lambda masked: error_sums(x, off, w, off, masked)[1])
+            den += error_sums(x, off, w, off, masked)[1]
             in_place = _in_place(part.values[k], ~finite, kind.out_dtypes[b[0]])
             counts = part.counts[rows[k]:rows[k + 1]]
 
-            def candidate(nb, step, masked):
+            def candidate(nb, step):
                 centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, nb, step, kind.capacity))(counts)
                 centres = jnp.where(jnp.arange(kind.capacity) < nb, centres, 0.0)  # as `_level_codes`
                 code = jnp.where(finite, 1 + jax.vmap(lambda v, wd: uniform_cell(v, wd, nb))(x32, widths), nb + 1)
@@ -354,8 +362,7 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
                     code, centres, in_place, off, *(fs or ()))
                 return error_sums(x, d, w, off, masked)[0]
 
-            nums += finite_or_masked(lambda masked: jax.vmap(functools.partial(candidate, masked=masked))(
-                bins[t], steps))
+            nums += jax.vmap(candidate)(bins[t], steps)
     return nums, den
 
 
