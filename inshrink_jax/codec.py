@@ -243,13 +243,15 @@ def _radix_digits(base: int) -> int:
     return n
 
 
-def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int | str = DEFAULT_LEVEL) -> tuple[bytes, str]:
+def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int | str = DEFAULT_LEVEL,
+                  counts: np.ndarray | None = None) -> tuple[bytes, str]:
     """The smallest of `compress` with each of `codecs` that can win on `data` (`_can_win`) and the raw bytes:
-    (bytes, codec id used)."""
+    (bytes, codec id used). `counts`: `data`'s byte histogram (`byte_counts`) when the caller has it."""
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
-    counts = byte_counts(raw) if set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_ESCAPE, *PACKED_CODECS} else None
+    if counts is None and set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_ESCAPE, *PACKED_CODECS}:
+        counts = byte_counts(raw)
     packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and any(
         c in codecs and _can_win(c, counts) for c in PACKED_CODECS)
     for c in codecs:

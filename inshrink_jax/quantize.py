@@ -378,7 +378,7 @@ def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[
         raise ValueError("uniform_residual_scores takes uniform cells with nothing protected or pruned")
     offsets = list(offsets)
     factors = [None] * len(xs) if factors is None else list(factors)
-    idx, kinds, _ = _kinds_of(xs, [None] * len(xs), layer_types, quants[0], cfg, offsets, factors)
+    idx, kinds, _, _ = _kinds_of(xs, [None] * len(xs), layer_types, quants[0], cfg, offsets, factors)
     kinds = [k._replace(prunable=(False,) * len(k.prunable)) for k in kinds]  # nothing is pruned: no threshold
     spec = sketch.SketchSpec(cfg.alpha)
     sums = [_uniform_residual_sums(
@@ -712,41 +712,76 @@ def encode_on_device(
     if any(f is not None and offsets[i] is None for i, f in enumerate(factors)):
         raise ValueError("weighting factors apply to residuals only: a weighted tensor needs an offset")
     spec = sketch.SketchSpec(cfg.alpha)
-    idx, kinds, bins = _kinds_of(xs, gs, layer_types, quant, cfg, offsets, factors)
+    # Uniform levels without pruning or a rate treat every tensor on its own (no threshold or slope shared by a
+    # type, no k-means keys): a large tensor is then encoded by a call of its own (`_encode_alone`).
+    separate = quant.step > 0 and quant.prune_fraction == 0 and quant.rate == 0
+    idx, kinds, bins, alone = _kinds_of(xs, gs, layer_types, quant, cfg, offsets, factors, separate)
     # One call for the layer types whose tensors are on the same devices (a state may keep, say, its
     # convolutions on one device and shard its dense layers). A host array goes wherever the others are.
     out: list[DeviceCodes | None] = [None] * len(xs)
-    for ts in device_units([[xs[i] for i in ix] for ix in idx]):
-        results = _encode(
-            [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
-            [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
-            [np.int32(bins[t]) for t in ts],
-            np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
-            np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
-            [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
-            kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
-            iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
-            protects=quant.protect_fraction > 0, prunes=quant.prune_fraction > 0 or quant.step == 0)
-        for t, per_bucket in zip(ts, results):
-            for b, stacks in zip(kinds[t].buckets, per_bucket):
-                for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
-                    i = idx[t][b[j]]
-                    out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i], factors=factors[i])
+    for unit in device_units([[xs[i] for i in ix] for ix in idx]):
+        together = [t for t in unit if t < alone]
+        for ts in ([together] if together else []) + [[t] for t in unit if t >= alone]:
+            encode = _encode if ts[0] < alone else _encode_alone
+            results = encode(
+                [[xs[i] for i in idx[t]] for t in ts], [[gs[i] for i in idx[t]] for t in ts],
+                [[offsets[i] for i in idx[t]] for t in ts], [[factors[i] for i in idx[t]] for t in ts],
+                [np.int32(bins[t]) for t in ts],
+                np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
+                np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
+                [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
+                kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
+                iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
+                protects=quant.protect_fraction > 0, prunes=quant.prune_fraction > 0 or quant.step == 0)
+            if encode is _encode_alone:
+                [i] = idx[ts[0]]
+                out[i] = DeviceCodes(*results, bins[ts[0]], offsets[i], factors=factors[i])
+                continue
+            for t, per_bucket in zip(ts, results):
+                for b, stacks in zip(kinds[t].buckets, per_bucket):
+                    for j, (c, cen, v) in enumerate(zip(*map(unstack, stacks))):
+                        i = idx[t][b[j]]
+                        out[i] = DeviceCodes(c, cen, v, bins[t], offsets[i], factors=factors[i])
     return out  # type: ignore[return-value]
 
 
-def _kinds_of(xs, gs, layer_types, quant: QuantConfig, cfg: CompressionConfig, offsets, factors):
+# With `encode_on_device`'s `separate`, a tensor of at least this many values is encoded by a call of its own: in a
+# stack of alike tensors its values were copied into the stack and its outputs out of it again (a tenth of a
+# 100M-parameter residual save's encode, ad hoc). A distinct shape of that size compiles a kernel of its own.
+ALONE_FROM = threshold.MAP_MIN_SIZE
+
+
+@functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
+                                             "protects", "prunes"))
+def _encode_alone(*args, **kwargs):
+    """`_encode` of one tensor: its (codes, levels, protected values in place), not stacked."""
+    [[(codes, levels, in_place)]] = _encode(*args, **kwargs)
+    return codes[0], levels[0], in_place[0]
+
+
+def _kinds_of(xs, gs, layer_types, quant: QuantConfig, cfg: CompressionConfig, offsets, factors,
+              separate: bool = False):
     """How `encode_on_device` groups the tensors for `_encode`: per group (the tensors of one layer type on one
-    device set), their indices, its `Kind` and its bin count."""
+    device set), their indices, its `Kind` and its bin count; and the index of the first group of one tensor
+    encoded alone (`separate`: each tensor of `ALONE_FROM` values or more, in groups after the others; the number
+    of groups where there are none)."""
     # The tensors of one layer type share a prune threshold; a type whose tensors are on different device sets
     # (layers placed on different devices, as in pipeline parallelism) is split by device set, each part with a
     # threshold of its own: one jitted call takes arrays of one device set.
-    types, idx = [], []
+    types, idx, lone = [], [], []
     for lt in sorted(set(layer_types)):
         of_type = [i for i, t in enumerate(layer_types) if t == lt]
         for ix in device_units([xs[i] for i in of_type]):
-            types.append(lt)
-            idx.append([of_type[j] for j in ix])
+            members = [of_type[j] for j in ix]
+            big = [i for i in members if separate and int(np.prod(np.shape(xs[i]))) >= ALONE_FROM]
+            lone += [(lt, [i]) for i in big]
+            if len(big) < len(members):
+                types.append(lt)
+                idx.append([i for i in members if i not in big])
+    alone = len(idx)
+    for lt, ix in lone:
+        types.append(lt)
+        idx.append(ix)
     kinds, bins = [], []
     for kind, ix in zip(types, idx):
         b = quant.bins_for(kind)
@@ -765,7 +800,7 @@ def _kinds_of(xs, gs, layer_types, quant: QuantConfig, cfg: CompressionConfig, o
         kinds.append(Kind(bs, prunable, out_dtypes, capacity, b if quant.rate > 0 else 0, kind == "embedding",
                           strides))
         bins.append(b)
-    return idx, kinds, bins
+    return idx, kinds, bins, alone
 
 
 def map_by_device_set(f, xs: Sequence, *others: Sequence) -> list:

@@ -537,10 +537,17 @@ def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_ev
     protected = (*codec.compress_best(enc.protected, codec.ZSTD_PLANES),
                  {"dtype": enc.protected.dtype.name, "count": int(enc.protected.size)})
     if rec.coding == records.CLOSED_LOOP:
-        extra = {"prior": prior, "levels": records.float32_list(enc.centres)}
+        counts = codec.byte_counts(np.ascontiguousarray(enc.codes).reshape(-1))
+        centres = enc.centres
+        if all(lo == 0 for lo, _ in box) and tuple(store.box_shape(box)) == tuple(rec.shape):
+            # The whole tensor in one shard: a level no code takes is stored as 0 (short records; never decoded).
+            # The encoder zeroes the cells outside the range of the codes; a tensor split into shards keeps the
+            # levels inside it, since every shard's record must hold the same levels.
+            centres = np.where(counts[1:centres.size + 1] > 0, centres, np.float32(0)).astype(np.float32)
+        extra = {"prior": prior, "levels": records.float32_list(centres)}
         if factors is not None:  # this shard's part of each axis's factors
             extra["weighting"] = [np.asarray(f)[lo:hi].tolist() for f, (lo, hi) in zip(factors, box)]
-        return {"codes": (*codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL), extra),
+        return {"codes": (*codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL, counts), extra),
                 "protected": protected}, None
     # The codes on their own (a keyframe shard), or their delta against the previous save's (a delta shard),
     # whichever codes smaller: a tensor whose codes change little (weights, second moments) takes the delta, one

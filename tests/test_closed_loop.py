@@ -4,6 +4,7 @@ across a restart, keep the error from growing over restores, and survive retenti
 errors."""
 
 import dataclasses
+import functools
 import shutil
 
 import jax
@@ -783,3 +784,43 @@ def test_a_sampled_residual_search_keeps_its_measured_decode_as_the_reconstructi
         out = manager(tmp_path).restore(step)
         for name in ("w", "v", "b"):
             np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), held[step][f"['{name}']"].view(np.uint8))
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_residual_links_levels_that_no_code_takes_are_stored_as_zero(tmp_path, sharded):
+    """A closed-loop residual whose values leave cells empty between its centre and an outlier: stored whole, every
+    level no code of the link takes is 0 in its record (short records); split into shards (whose records must
+    agree), the levels outside the range of the codes are 0 and those inside it kept. Either way the restore is
+    the save's reconstruction (levels no code takes are never decoded)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((128, 64)).astype(np.float32)
+    states = [w, w + 1e-3 * rng.standard_normal(w.shape).astype(np.float32)]
+    states.append(states[1] + 1e-3 * rng.standard_normal(w.shape).astype(np.float32))
+    states[2][0, 0] += 1.0  # an outlier: the outer cell, with empty cells between it and the others
+    put = jnp.asarray
+    if sharded:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+        sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+        put = functools.partial(jax.device_put, device=sh)
+    mngr = ocp.CheckpointManager(tmp_path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()))
+    for step, s in enumerate(states):
+        mngr.save(step, args=ij.InshrinkSave({"w": put(s)}))
+        mngr.wait_until_finished()
+    assert mngr.item_metadata(2)["kind"] == "delta"
+    obj, shards = store.Reader(tmp_path / "2" / "default").links("['w']")[-1]
+    assert len(shards) == (2 if sharded else 1)
+    levels = np.asarray(shards[0][1].segments["codes"].levels, np.float32)
+    codes = np.zeros(w.shape, np.uint8)
+    for p, e in shards:
+        (r0, r1), (c0, c1) = e.box
+        codes[r0:r1, c0:c1] = obj.array("['w']", p, e.segments["codes"], "codes", np.uint8, store.box_shape(e.box))
+    taken = np.isin(np.arange(1, levels.size + 1), codes.reshape(-1))
+    lo, hi = np.flatnonzero(taken)[[0, -1]]
+    assert not taken[lo:hi + 1].all()  # a gap inside the range
+    assert np.all(levels[~taken][(np.flatnonzero(~taken) < lo) | (np.flatnonzero(~taken) > hi)] == 0)
+    inside_gap = levels[lo:hi + 1][~taken[lo:hi + 1]]
+    assert np.all(inside_gap != 0) if sharded else np.all(inside_gap == 0)
+    assert codes.min() >= 1 and codes.max() <= levels.size  # every value quantized: none pruned or protected
+    # step 2 restores to step 1's reconstruction plus its codes' levels, as the save computed it
+    want = np.asarray(mngr.restore(1)["w"]) + levels[codes - 1]
+    assert np.array_equal(np.asarray(mngr.restore(2)["w"]), want)

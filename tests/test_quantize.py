@@ -474,3 +474,40 @@ def test_proxy_sums_are_plain_when_finite_and_masked_otherwise(non_finite):
     assert all(np.isfinite(float(g)) and float(g) == pytest.approx(w, rel=1e-5) for g, w in zip(got, want))
     if non_finite:
         assert [float(g) for g in got] == [float(m) for m in masked]
+
+
+@pytest.mark.parametrize("qc", [QuantConfig(bins=63, protect_fraction=0.0, prune_fraction=0.0, step=1.5),
+                                QuantConfig(bins=15, protect_fraction=0.01, prune_fraction=0.0, step=0.5),
+                                QuantConfig(bins=8, protect_fraction=0.01, prune_fraction=0.2)],
+                         ids=["residual cells", "protected cells", "k-means and pruning"])
+def test_large_tensors_of_uniform_levels_without_pruning_encode_alone_with_the_same_result(qc, monkeypatch):
+    """Uniform levels without pruning: each tensor of `quantize.ALONE_FROM` values or more is encoded by a call of
+    its own (no stacking), the others together; codes, levels and protected values as when every tensor goes
+    into the joint call, bit for bit (a non-finite value, residuals against offsets, two layer types, one tensor
+    sharded over two devices). k-means or pruning (a threshold shared by a layer type) keep the joint call."""
+    rng = np.random.default_rng(5)
+    shapes = [(64, 48), (64, 48), (300,), (96, 40), (32, 16)]
+    xs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes]
+    xs[0] = xs[0].at[2, 3].set(jnp.nan)
+    offs = [x + jnp.asarray(rng.standard_normal(x.shape).astype(np.float32) * 1e-3) for x in xs]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
+    sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d", None))
+    xs[3], offs[3] = jax.device_put(xs[3], sh), jax.device_put(offs[3], sh)
+    lts = ["dense", "dense", "other", "dense", "embedding"]
+
+    def encode():
+        devs = quantize.encode_on_device(xs, [None] * 5, lts, qc, CFG, offsets=offs, sigma=quantize.RESIDUAL_SIGMA)
+        return [quantize.to_host(d.codes, d.centres, d.protected_in_place, d.bins, jnp.float32) for d in devs]
+
+    joint = encode()
+    calls = []
+    alone = quantize._encode_alone
+    monkeypatch.setattr(quantize, "_encode_alone", lambda *a, **kw: calls.append(len(a[0][0])) or alone(*a, **kw))
+    monkeypatch.setattr(quantize, "ALONE_FROM", 64 * 48)
+    separate = encode()
+    assert calls == ([1, 1, 1] if qc.step > 0 else [])  # the two 64x48 tensors and the sharded 96x40 one
+    for a, b in zip(joint, separate):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_array_equal(a.centres, b.centres)
+        assert a.protected.tobytes() == b.protected.tobytes()
+    assert np.isnan(joint[0].protected).sum() == 1
