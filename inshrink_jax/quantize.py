@@ -132,9 +132,25 @@ class PackedCodes(NamedTuple):
         return int(self.rows.max())
 
 
-def _codes_at(codes, flat: np.ndarray) -> np.ndarray:
-    """Codes (an array or `PackedCodes`) at flat positions."""
-    return codes.at(flat) if isinstance(codes, PackedCodes) else codes.reshape(-1)[flat]
+class _Positions:
+    """Flat positions of a tensor at which each link of a chain is looked up (`decode_chain`'s protected
+    positions): with packed codes, each position's byte and place in it computed once per number of codes a
+    byte, not once per link."""
+
+    def __init__(self, flat: np.ndarray):
+        self.flat = flat
+        self._split: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def values(self, codes, table: np.ndarray) -> np.ndarray:
+        """table[code] at each position, of `codes` (an array or `PackedCodes`): a packed link's values looked up
+        from its bytes in one gather (a table of each byte value's values), not two."""
+        if not isinstance(codes, PackedCodes):
+            return table[codes.reshape(-1)[self.flat]]
+        per = codes.rows.shape[1]
+        if per not in self._split:
+            self._split[per] = (self.flat // per, (self.flat % per).astype(np.intp))
+        byte, place = self._split[per]
+        return table[codes.rows].reshape(-1)[codes.packed[byte].astype(np.intp) * per + place]
 
 
 def _top_code(codes) -> int:
@@ -1179,13 +1195,14 @@ def decode_chain(links: Sequence, device=None,
     where = np.split(index, np.cumsum([p.size for p in positions])[:-1]) if positions else []
     # The protected positions, link by link with the save's formulas (decode, plus_offset) in NumPy.
     residuals = [e for e, _ in got[1:]]
+    positions_at = _Positions(at)
     if isinstance(first, EncodedTensor):
-        a = _table(first, dtype)[_codes_at(first.codes, at)]
+        a = positions_at.values(first.codes, _table(first, dtype))
         a[where[0]] = first.protected.astype(dtype)
     else:
         a = np.asarray(first).reshape(-1)[at]
     for e, w, k in zip(residuals, where[len(encoded) - len(residuals):], exps):
-        r = _table(e, f32)[_codes_at(e.codes, at)]
+        r = positions_at.values(e.codes, _table(e, f32))
         r[w] = e.protected.astype(f32)
         if k is not None:  # times 2^K: exact, as on the device
             r = np.ldexp(r, k[at].astype(np.int32)).astype(f32)
