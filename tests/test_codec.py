@@ -378,3 +378,26 @@ def test_a_ranks_stream_with_a_bad_header_size_or_padding_is_refused(n):
     assert codec.decompress(one, codec.RANKS, n) == bytes([9]) * n
     with pytest.raises(codec.CodecError, match="ranks below 1"):
         codec.decompress(b"\x01\x09" + b"\x01" + bytes(-(-n // 8) - 1), codec.RANKS, n)
+
+
+@pytest.mark.parametrize("size", [65_535, 65_536, 65_537, 200_001])
+@pytest.mark.parametrize("base", [2, 6, 7, 11, 16])
+def test_packing_by_a_table_of_pairs_writes_the_bytes_of_digit_by_digit_packing(size, base):
+    """`codec._pack` of a large stream of two values a byte (bases 7-16) looks each pair up in a table, with the
+    stream's relabelling (ranks) folded in: the same bytes as relabelling, padding and combining the digits one
+    by one (the format's definition), odd lengths included; and the "ranks" stream decodes to the values."""
+    rng = np.random.default_rng(size + base)
+    alphabet = np.sort(rng.choice(256, base, replace=False)).astype(np.uint8)
+    arr = alphabet[rng.integers(0, base, size)]
+    ranks = np.searchsorted(alphabet, arr).astype(np.uint8)
+    per = codec._radix_digits(base)
+    padded = np.zeros(-(-size // per) * per, np.uint8)
+    padded[:size] = ranks
+    want = np.zeros(padded.size // per, np.int64)
+    for j in reversed(range(per)):
+        want = want * base + padded[j::per]
+    got = codec._pack(arr, base, codec._rank_table(alphabet, 0))
+    assert got.dtype == np.uint8 and np.array_equal(got, want.astype(np.uint8))
+    assert np.array_equal(codec._pack(ranks, base), want.astype(np.uint8))
+    blob = codec.compress(arr, codec.RANKS)
+    assert np.array_equal(codec.decompress_array(blob, codec.RANKS, size), arr)
