@@ -25,7 +25,7 @@ import concurrent.futures
 import functools
 import math
 import re
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -310,7 +310,11 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
 def error_sums(x, d, w, ref, masked: bool = True):
     """(sum of w (x - d)^2, sum of w (x - ref)^2) over the finite elements of `x` (float32; `w` None for 1,
     `ref` None for 0): the two sums of the search's data-free proxy (`search.proxy_degradation`), for one tensor
-    or a stack of them (inside a jitted kernel). `masked` False: over every element (`finite_or_masked`)."""
+    or a stack of them (inside a jitted kernel). `masked` False: over every element, the same sums where every
+    term is finite. The caller sums plainly first and masks only where a plain sum comes out non-finite (a
+    non-finite term: a value stored exactly, an overflowing square): XLA's CPU backend runs a reduction with a
+    select in it an element at a time, about ten times slower than one without (ad hoc, 100M values); one kernel
+    holding both (a `lax.cond`) compiled both, a third more compile time for a process's first residual save."""
     x32 = x.astype(jnp.float32)
     w = 1.0 if w is None else jnp.square(w.astype(jnp.float32))
     r = x32 if ref is None else x32 - ref.astype(jnp.float32)
@@ -326,34 +330,16 @@ def error_sums(x, d, w, ref, masked: bool = True):
     return jnp.sum(jnp.where(fin, de, 0.0)), jnp.sum(jnp.where(fin & jnp.isfinite(r), dr, 0.0))
 
 
-def finite_or_masked(sums: Callable[[bool], Any]):
-    """`sums(masked)` (a pytree of float sums, traced), computed unmasked when every one of those sums is finite
-    and masked otherwise: where every term is finite the two are the same sums. XLA's CPU backend runs a
-    reduction with a select in it an element at a time, about ten times slower than one without (ad hoc, 100M
-    values); a non-finite term (a value stored exactly, an overflowing square) makes a plain sum non-finite and
-    sends the sums through the mask. Call it outside any vmap (a vmapped cond computes both branches)."""
-    plain = sums(False)
-    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in jax.tree.leaves(plain)]))
-    return jax.lax.cond(finite, lambda: plain, lambda: sums(True))
-
-
-@functools.partial(jax.jit, static_argnames=("kinds", "spec", "dtypes"))
-def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dtypes):
+@functools.partial(jax.jit, static_argnames=("kinds", "spec", "dtypes", "masked"))
+def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dtypes, masked):
     """The proxy's sums (`error_sums`) of closed-loop residual candidates on uniform cells, without protected or
     pruned values (a residual space's candidates): what `encode_on_device` followed by `dequantize_all` gives,
     scored as `search.proxy_degradation` scores it (weights 1 / M of a weighted residual), without their codes.
     The partition and the histograms (the scatter passes) do not depend on the candidate and run once; the rest
     is vmapped over the candidates (one pass over the values each; compiled once whatever their number).
     `bins[t]` (int32, one per candidate) and `steps` (float32, one per candidate): each candidate's bin count of
-    group t and cell width. Returns (the numerators, one per candidate; the denominator). Summed plainly where
-    every sum comes out finite, else masked (`finite_or_masked`), the whole computation from the inputs either
-    way: a branch per bucket made XLA write the operands of the masked one out in full (slower at 100M, ad hoc)."""
-    return finite_or_masked(lambda masked: _residual_sums(xs, offsets, factors, bins, steps, kinds, spec, dtypes,
-                                                          masked))
-
-
-def _residual_sums(xs, offsets, factors, bins, steps, kinds, spec, dtypes, masked: bool):
-    """`_uniform_residual_sums`' sums, masked (`error_sums`) or not."""
+    group t and cell width. Returns (the numerators, one per candidate; the denominator), `masked` or plain
+    (`error_sums`)."""
     nums = jnp.zeros(steps.shape, jnp.float32)
     den = jnp.float32(0)
     for t, kind in enumerate(kinds):
@@ -388,8 +374,8 @@ def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[
     space's), the data-free proxy of its closed-loop residual save against `offsets` (the previous
     reconstruction; `factors` as for `encode_on_device`): the value `search.proxy_degradation` gives the
     candidate's `encode_on_device` and `dequantize_all`, up to the order of the float32 sums, computed without
-    encoding it (one pass per candidate over the tensors; the histograms once). One float32 array, a value per
-    candidate."""
+    encoding it (one pass per candidate over the tensors; the histograms once). A NumPy float32 array, a value
+    per candidate (waited for: plain sums, and masked ones where a plain one is not finite, `error_sums`)."""
     if any(q.step <= 0 or q.protect_fraction or q.prune_fraction or q.rate for q in quants):
         raise ValueError("uniform_residual_scores takes uniform cells with nothing protected or pruned")
     offsets = list(offsets)
@@ -397,20 +383,28 @@ def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[
     idx, kinds, _, _ = _kinds_of(xs, [None] * len(xs), layer_types, quants[0], cfg, offsets, factors)
     kinds = [k._replace(prunable=(False,) * len(k.prunable)) for k in kinds]  # nothing is pruned: no threshold
     spec = sketch.SketchSpec(cfg.alpha)
-    sums = [_uniform_residual_sums(
-        [[xs[i] for i in idx[t]] for t in ts], [[offsets[i] for i in idx[t]] for t in ts],
-        [[factors[i] for i in idx[t]] for t in ts],
-        [np.array([q.bins_for(layer_types[idx[t][0]]) for q in quants], np.int32) for t in ts],
-        np.array([q.step for q in quants], np.float32),
-        kinds=tuple(kinds[t] for t in ts), spec=spec,
-        dtypes=tuple(tuple(jnp.dtype(xs[i].dtype) for i in idx[t]) for t in ts))
-        for ts in device_units([[xs[i] for i in ix] for ix in idx])]
-    if len(sums) == 1:  # the usual case: nothing waited for
-        nums, den = sums[0]
-    else:  # device sets of their own (pipeline parallelism): added on the host
-        nums = np.sum([np.asarray(n) for n, _ in sums], axis=0, dtype=np.float32)
-        den = np.float32(sum(float(d) for _, d in sums))
-    return jnp.where(den > 0, nums / jnp.where(den > 0, den, 1.0), jnp.where(nums > 0, jnp.inf, 0.0))
+
+    def sums(masked: bool) -> tuple[np.ndarray, np.float32]:
+        parts = [_uniform_residual_sums(
+            [[xs[i] for i in idx[t]] for t in ts], [[offsets[i] for i in idx[t]] for t in ts],
+            [[factors[i] for i in idx[t]] for t in ts],
+            [np.array([q.bins_for(layer_types[idx[t][0]]) for q in quants], np.int32) for t in ts],
+            np.array([q.step for q in quants], np.float32),
+            kinds=tuple(kinds[t] for t in ts), spec=spec,
+            dtypes=tuple(tuple(jnp.dtype(xs[i].dtype) for i in idx[t]) for t in ts), masked=masked)
+            for ts in device_units([[xs[i] for i in ix] for ix in idx])]
+        if len(parts) == 1:  # the usual case
+            return np.asarray(parts[0][0], np.float32), np.float32(parts[0][1])
+        # device sets of their own (pipeline parallelism): added on the host
+        return (np.sum([np.asarray(n) for n, _ in parts], axis=0, dtype=np.float32),
+                np.float32(sum(float(d) for _, d in parts)))
+
+    nums, den = sums(False)
+    if not (np.all(np.isfinite(nums)) and np.isfinite(den)):
+        nums, den = sums(True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, nums / (den if den > 0 else np.float32(1)),
+                        np.where(nums > 0, np.float32(np.inf), np.float32(0))).astype(np.float32)
 
 
 class _Partition(NamedTuple):

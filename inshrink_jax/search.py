@@ -383,21 +383,15 @@ def search(
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def _sums(xs, dequantized, gs, references):
-    """(numerator, denominator) of `proxy_degradation` over tensors on one device set (traced)."""
+@functools.partial(jax.jit, static_argnames=("masked",))
+def _proxy_sums(xs, dequantized, gs, references, masked):
+    """(numerator, denominator) of `proxy_degradation` over tensors on one device set, `masked` or plain
+    (`quantize.error_sums`)."""
     num = den = jnp.float32(0)
     for x, d, g, r in zip(xs, dequantized, gs, references):
-        n, m = quantize.finite_or_masked(lambda masked: quantize.error_sums(x, d, g, r, masked))
+        n, m = quantize.error_sums(x, d, g, r, masked)
         num, den = num + n, den + m
     return num, den
-
-
-def _ratio(num, den):
-    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), jnp.where(num > 0, jnp.inf, 0.0))
-
-
-_proxy_sums = jax.jit(_sums)
-_proxy = jax.jit(lambda *args: _ratio(*_sums(*args)))
 
 
 def proxy_degradation(xs, dequantized, gs, references=None):
@@ -406,13 +400,19 @@ def proxy_degradation(xs, dequantized, gs, references=None):
     closed-loop residual save's reference is the previous reconstruction, so the proxy is the share of the
     interval's change, plus the error carried in, that the save leaves out). g^2 weights the squared error like
     a diagonal Fisher (second-order) estimate of the loss change; non-finite weights are stored exactly and
-    excluded."""
+    excluded. A float32 number, waited for: plain sums over every element, and the sums over the finite ones
+    where a plain sum is not finite (`quantize.error_sums`)."""
     references = [None] * len(xs) if references is None else list(references)
     units = quantize.device_units(xs)  # one jitted call per device set
-    if len(units) <= 1:  # the usual case: one dispatched call, nothing waited for
-        return _proxy(list(xs), list(dequantized), list(gs), references)
-    sums = [_proxy_sums(*([a[i] for i in ix] for a in (xs, dequantized, gs, references))) for ix in units]
-    num, den = (np.float32(sum(float(v[k]) for v in sums)) for k in (0, 1))
+
+    def sums(masked: bool) -> list:
+        return [_proxy_sums(*([a[i] for i in ix] for a in (xs, dequantized, gs, references)), masked=masked)
+                for ix in units]
+
+    parts = sums(False)
+    if not all(np.isfinite(float(v)) for part in parts for v in part):
+        parts = sums(True)
+    num, den = (np.float32(sum(float(v[k]) for v in parts)) for k in (0, 1))
     return np.float32(num / den if den > 0 else (np.inf if num > 0 else 0.0))
 
 

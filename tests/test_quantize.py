@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from inshrink_jax import CompressionConfig, QuantConfig, codec, quantize, threshold
+from inshrink_jax import CompressionConfig, QuantConfig, codec, quantize, search, threshold
 
 CFG = CompressionConfig()
 
@@ -455,25 +455,33 @@ def test_uniform_cells_outside_the_range_of_the_codes_are_stored_as_zero():
 
 
 @pytest.mark.parametrize("non_finite", [False, True])
-def test_proxy_sums_are_plain_when_finite_and_masked_otherwise(non_finite):
-    """`quantize.finite_or_masked`: the error sums over every element when all are finite (the float64 sums,
-    within float32 rounding), and the masked sums, exactly, when a term is not finite."""
+def test_proxy_sums_are_plain_when_finite_and_masked_otherwise(non_finite, monkeypatch):
+    """`search.proxy_degradation` sums over every element (`quantize.error_sums` plain) when all terms are finite:
+    the float64 ratio, within float32 rounding; where a term is not finite it sums over the finite elements
+    (masked), a second kernel call; `quantize.uniform_residual_scores` likewise."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((300, 70)).astype(np.float32)
     d = x + 0.01 * rng.standard_normal(x.shape).astype(np.float32)
     ref = x + 0.1 * rng.standard_normal(x.shape).astype(np.float32)
     if non_finite:
         x[5, 5] = d[5, 5] = np.inf
-    args = [jnp.asarray(a) for a in (x, d)] + [None, jnp.asarray(ref)]
-    got = jax.jit(lambda x, d, ref: quantize.finite_or_masked(
-        lambda m: quantize.error_sums(x, d, None, ref, m)))(args[0], args[1], args[3])
-    masked = jax.jit(lambda x, d, ref: quantize.error_sums(x, d, None, ref, True))(args[0], args[1], args[3])
+    calls = []
+    sums = search._proxy_sums
+    monkeypatch.setattr(search, "_proxy_sums", lambda *a, masked: calls.append(masked) or sums(*a, masked=masked))
+    got = search.proxy_degradation([jnp.asarray(x)], [jnp.asarray(d)], [None], [jnp.asarray(ref)])
     fin = np.isfinite(x)
     x64, d64, r64 = (np.asarray(a, np.float64)[fin] for a in (x, d, ref))
-    want = (np.sum((x64 - d64) ** 2), np.sum((x64 - r64) ** 2))
-    assert all(np.isfinite(float(g)) and float(g) == pytest.approx(w, rel=1e-5) for g, w in zip(got, want))
-    if non_finite:
-        assert [float(g) for g in got] == [float(m) for m in masked]
+    assert isinstance(got, np.float32) and np.isfinite(got)
+    assert float(got) == pytest.approx(np.sum((x64 - d64) ** 2) / np.sum((x64 - r64) ** 2), rel=1e-5)
+    assert calls == ([False, True] if non_finite else [False])
+    q = QuantConfig(bins=63, protect_fraction=0.0, prune_fraction=0.0, step=1.5)
+    scored = quantize.uniform_residual_scores([jnp.asarray(x)], [jnp.asarray(ref)], None, ["dense"], [q, q], CFG)
+    devs = quantize.encode_on_device([jnp.asarray(x)], [None], ["dense"], q, CFG, offsets=[jnp.asarray(ref)],
+                                     sigma=quantize.RESIDUAL_SIGMA)
+    encoded = search.proxy_degradation([jnp.asarray(x)], quantize.dequantize_all(devs, [jnp.float32]), [None],
+                                       [jnp.asarray(ref)])
+    assert scored.dtype == np.float32 and np.isfinite(scored).all()
+    assert scored[0] == pytest.approx(float(encoded), rel=1e-5)
 
 
 @pytest.mark.parametrize("qc", [QuantConfig(bins=63, protect_fraction=0.0, prune_fraction=0.0, step=1.5),
