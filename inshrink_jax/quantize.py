@@ -312,9 +312,9 @@ def error_sums(x, d, w, ref, masked: bool = True):
     `ref` None for 0): the two sums of the search's data-free proxy (`search.proxy_degradation`), for one tensor
     or a stack of them (inside a jitted kernel). `masked` False: over every element, the same sums where every
     term is finite. The caller sums plainly first and masks only where a plain sum comes out non-finite (a
-    non-finite term: a value stored exactly, an overflowing square): XLA's CPU backend runs a reduction with a
-    select in it an element at a time, about ten times slower than one without (ad hoc, 100M values); one kernel
-    holding both (a `lax.cond`) compiled both, a third more compile time for a process's first residual save."""
+    non-finite term: a value stored exactly, an overflowing square; `proxy_ratio`): XLA's CPU backend runs a
+    reduction with a select in it an element at a time, 9.9x slower than plain sums over 100M values
+    (benchmarks/results/xla_cpu_kernels.md); one kernel holding both (a `lax.cond`) compiled both."""
     x32 = x.astype(jnp.float32)
     w = 1.0 if w is None else jnp.square(w.astype(jnp.float32))
     r = x32 if ref is None else x32 - ref.astype(jnp.float32)
@@ -399,9 +399,18 @@ def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[
         return (np.sum([np.asarray(n) for n, _ in parts], axis=0, dtype=np.float32),
                 np.float32(sum(float(d) for _, d in parts)))
 
+    return proxy_ratio(sums)
+
+
+def proxy_ratio(sums: Callable[[bool], tuple]) -> np.ndarray:
+    """The data-free proxy numerators / denominator from `sums(masked)` -> (float32 numerators, denominator) on
+    the host (`error_sums`' two sums, added over device sets): plain sums, and the masked ones only where a plain
+    one is not finite. A float32 array of the numerators' shape; inf for error against a zero denominator, 0 for
+    none."""
     nums, den = sums(False)
     if not (np.all(np.isfinite(nums)) and np.isfinite(den)):
         nums, den = sums(True)
+    nums, den = np.asarray(nums, np.float32), np.float32(den)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(den > 0, nums / (den if den > 0 else np.float32(1)),
                         np.where(nums > 0, np.float32(np.inf), np.float32(0))).astype(np.float32)
@@ -487,8 +496,8 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
         if uniform:  # a cell outside the range the values take is never decoded: stored as 0 (the records of
-            # 63 cells stay short). The range from two reductions, not a scatter of every value into the cells:
-            # XLA's CPU scatter cost a 100M-parameter residual save a fifth of its encode (ad hoc).
+            # 63 cells stay short). The range from two reductions, not a scatter of every value into the cells
+            # (6.7x slower at 100M values on XLA's CPU backend: benchmarks/results/xla_cpu_kernels.md).
             c = jnp.where(_taken_range(code, bins, kind.capacity), c, 0.0)
         out.append((code, jnp.where(used, c, 0.0), _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
@@ -499,7 +508,7 @@ def _taken_range(code, bins, capacity: int):
     """Per stacked tensor (leading axis) of uint8 `code`s, which of the `capacity` cells (codes 1..capacity) lie
     between the lowest and the highest code of a quantized value (1..`bins`: not pruned, not protected) that it
     holds: (tensors, capacity) bool, all False for a tensor with none. Reduced over the uint8 codes: over int32
-    levels XLA's CPU backend wrote each select out in full first (seven times slower, ad hoc)."""
+    levels XLA's CPU backend wrote each select out in full first."""
     axes = tuple(range(1, code.ndim))
     top = bins.astype(jnp.uint8)
     lo = jnp.min(jnp.where((code >= 1) & (code <= top), code, jnp.uint8(255)), axis=axes).astype(jnp.int32)
@@ -756,8 +765,9 @@ def encode_on_device(
 
 
 # With `encode_on_device`'s `separate`, a tensor of at least this many values is encoded by a call of its own: in a
-# stack of alike tensors its values were copied into the stack and its outputs out of it again (a tenth of a
-# 100M-parameter residual save's encode, ad hoc). A distinct shape of that size compiles a kernel of its own.
+# stack of alike tensors its values were copied into the stack and its outputs out of it again (the stacked encode
+# of a 100M-parameter residual took 1.2x as long: benchmarks/results/xla_cpu_kernels.md). A distinct shape of that
+# size compiles a kernel of its own.
 ALONE_FROM = threshold.MAP_MIN_SIZE
 
 

@@ -539,7 +539,7 @@ def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_ev
     if rec.coding == records.CLOSED_LOOP:
         counts = codec.byte_counts(np.ascontiguousarray(enc.codes).reshape(-1))
         centres = enc.centres
-        if all(lo == 0 for lo, _ in box) and tuple(store.box_shape(box)) == tuple(rec.shape):
+        if store.box_key(box) == store.box_key([[0, n] for n in rec.shape]):
             # The whole tensor in one shard: a level no code takes is stored as 0 (short records; never decoded).
             # The encoder zeroes the cells outside the range of the codes; a tensor split into shards keeps the
             # levels inside it, since every shard's record must hold the same levels.

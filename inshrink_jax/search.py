@@ -405,15 +405,12 @@ def proxy_degradation(xs, dequantized, gs, references=None):
     references = [None] * len(xs) if references is None else list(references)
     units = quantize.device_units(xs)  # one jitted call per device set
 
-    def sums(masked: bool) -> list:
-        return [_proxy_sums(*([a[i] for i in ix] for a in (xs, dequantized, gs, references)), masked=masked)
-                for ix in units]
+    def sums(masked: bool) -> tuple:
+        parts = [_proxy_sums(*([a[i] for i in ix] for a in (xs, dequantized, gs, references)), masked=masked)
+                 for ix in units]
+        return tuple(np.float32(sum(float(v[k]) for v in parts)) for k in (0, 1))
 
-    parts = sums(False)
-    if not all(np.isfinite(float(v)) for part in parts for v in part):
-        parts = sums(True)
-    num, den = (np.float32(sum(float(v[k]) for v in parts)) for k in (0, 1))
-    return np.float32(num / den if den > 0 else (np.inf if num > 0 else 0.0))
+    return np.float32(quantize.proxy_ratio(sums))
 
 
 # Residual states of at least this many values score their uniform-cell candidates without encoding them
@@ -511,7 +508,7 @@ class Evaluator:
         if not encode and self.eval_fn is None and self.references is not None and self.scored and all(
                 q.step > 0 and not (q.protect_fraction or q.prune_fraction or q.rate) for q in quants):
             return [(d, None, None) for d, _ in self._uniform_residuals(quants)]
-        # Dispatch every candidate's device work first, then block on the scores together.
+        # Dispatch every candidate's encode first, then score them one by one (the proxy waits for its sums).
         sigma = None if self.references is None else quantize.RESIDUAL_SIGMA  # closed-loop residuals
         encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets,
                                              sigma=sigma, factors=self.factors) for q in quants]
@@ -528,8 +525,8 @@ class Evaluator:
                     leaves[i] = v
                 scores.append(self._call(leaves))
                 if self.references is None:  # not a closed-loop residual's check (`_guard`): one-sided, as measured
-                    # The data-free proxy `trusted` may need: dispatched now at a keyframe (it always needs it),
-                    # otherwise computed only for a reading better than epsilon.
+                    # The data-free proxy `trusted` may need: computed now at a keyframe (it always needs it),
+                    # otherwise only for a reading better than epsilon.
                     proxies.append(proxy_degradation(self.xs, deq, self.gs) if self.keyframe_floor else
                                    functools.partial(proxy_degradation, self.xs, deq, self.gs))
         if self.eval_fn is None:
