@@ -55,6 +55,16 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 stream, zstd's frame: a leaf of 64 values of 3 to 5 levels packs to 13 to 22 bytes, to which a
                 frame adds its own header and block (benchmarks/results/save_breakdown_vit.md: a vision
                 transformer's streams, many of 64 values, at 1.134x their order-0 entropy before, 1.093x since).
+  "prefix"      for uint8 streams of at most 16 distinct values and fewer than `_PREFIX_BELOW` values (the code
+                streams of a model of many small leaves): "ranks"' alphabet, then a model of the ranks (a
+                precision p and k - 1 frequencies of p bits) and the packed ranks (the bytes "ranks" writes), each
+                coded by the canonical Huffman code of the byte values' weights under that model (the products
+                of their ranks' frequencies). zstd's Huffman literals ship their own table and a frame header,
+                tens of bytes that a stream of a few thousand codes feels; a model of a few bits per rank costs
+                a byte or two, and Huffman over bytes of several ranks loses little to the entropy (a vision
+                transformer's code streams: 1.093x their order-0 entropy in format 14;
+                benchmarks/results/save_breakdown_vit.md has this format's figure). Its decoder finds every
+                codeword at once (`_prefix_packed`), so a stream costs NumPy passes, not a loop per value.
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -62,6 +72,7 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
 from __future__ import annotations
 
 import functools
+import math
 import threading
 
 import numpy as np
@@ -76,8 +87,9 @@ ZSTD_RANK = "zstd-rank"
 ZSTD_RUNS = "zstd-runs"
 ZSTD_ESCAPE = "zstd-escape"
 RANKS = "ranks"
+PREFIX = "prefix"
 RAW = "raw"
-PACKED_CODECS = (RANKS, ZSTD_RADIX, ZSTD_RANK)  # streams of several codes a byte: `packed_values` reads them packed
+PACKED_CODECS = (RANKS, PREFIX, ZSTD_RADIX, ZSTD_RANK)  # streams of several codes a byte: `packed_values` reads them packed
 _RANKS_ZSTD = 0x80  # flag in a "ranks" stream's first byte: its packed ranks are one zstandard frame
 _ESCAPE_KEEP = 5  # values "zstd-escape" ranks (with its escape: base 6, three to a byte)
 _PACK_WIDTHS = (1, 2, 4)
@@ -93,7 +105,7 @@ DEFAULT_LEVEL = 3
 # format 13's at 1cc8e16). The codec choice takes a real trace's rearranged deltas from
 # 1.73x (plain zstd) to 1.02x H0 (benchmarks/results/delta.md). A reader needs nothing of this: the frames are plain
 # zstandard.
-CODE_CODECS = (ZSTD, ZSTD_RUNS, RANKS, ZSTD_ESCAPE)
+CODE_CODECS = (ZSTD, ZSTD_RUNS, RANKS, PREFIX, ZSTD_ESCAPE)
 CODE_LEVEL = "codes"
 CODE_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7,
                                                   target_length=0, strategy=zstandard.STRATEGY_FAST,
@@ -163,6 +175,8 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
         if framed is not None and len(framed) < packed.size:
             return bytes([alphabet.size | _RANKS_ZSTD]) + alphabet.tobytes() + framed
         return bytes([alphabet.size]) + alphabet.tobytes() + packed.tobytes()
+    elif codec == PREFIX:
+        return _prefix_of(_bytes_view(data), counts)
     elif codec == ZSTD_ESCAPE:
         arr = _bytes_view(data)
         if counts is None:
@@ -178,7 +192,8 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
         buf = _bytes_view(data)
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}, "
+                         f"{PREFIX!r}")
     return _compressor(level).compress(buf)
 
 
@@ -329,6 +344,8 @@ def _can_win(codec: str, counts: np.ndarray | None) -> bool:
         return np.count_nonzero(counts) > _ESCAPE_KEEP and 8 * (int(counts.sum()) - int(kept)) <= int(counts.sum())
     if codec == RANKS:
         return 0 < np.count_nonzero(counts) <= _RADIX_MAX
+    if codec == PREFIX:
+        return 0 < np.count_nonzero(counts) <= _RADIX_MAX and int(counts.sum()) < _PREFIX_BELOW
     if codec in (ZSTD_RADIX, ZSTD_RANK):
         present = np.flatnonzero(counts)
         radix = not counts[_RADIX_MAX:].any()
@@ -351,9 +368,10 @@ def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
 def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
     """`decompress` as a flat uint8 array (possibly read-only, possibly a view of the decoder's own buffer)."""
     if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE,
-                     RANKS):
+                     RANKS, PREFIX):
         raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
-                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}")
+                         f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}, "
+                         f"{PREFIX!r}")
     if codec == RAW:
         out = np.frombuffer(blob, np.uint8)
     elif codec in (ZSTD_RLE, ZSTD_RUNS):
@@ -366,8 +384,8 @@ def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
         out = _decompress_rank(blob, size)
     elif codec == ZSTD_ESCAPE:
         out = _decompress_escape(blob, size)
-    elif codec == RANKS:
-        packed, base, alphabet = _ranks_packed(blob, size)
+    elif codec in (RANKS, PREFIX):
+        packed, base, alphabet = (_ranks_packed if codec == RANKS else _prefix_packed)(blob, size)
         out = _unpack(packed, base, size, alphabet)
     else:
         out = np.frombuffer(_zstd(blob, size), np.uint8)
@@ -590,8 +608,8 @@ def packed_values(blob: bytes, codec: str, size: int, slots: int = 0) -> tuple[n
     the stream's are zeros (each holds `per` of rows[0]). A restore's kernels look the values up from the packed
     bytes, where spelling out every value on the host first cost most of a deep restore's time
     (benchmarks/results/handler.md)."""
-    if codec == RANKS:
-        packed, base, alphabet = _ranks_packed(blob, size, slots)
+    if codec in (RANKS, PREFIX):
+        packed, base, alphabet = (_ranks_packed if codec == RANKS else _prefix_packed)(blob, size, slots)
         return packed, _digit_rows(base, alphabet)
     if codec == ZSTD_RADIX:
         head, alphabet = blob, None
@@ -655,6 +673,200 @@ def _ranks_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, i
     if size % per and int(packed[nbytes - 1]) >= k ** (size % per):  # the encoder pads the last byte with rank 0
         raise CodecError(f"ranks stream holds more than {size} values")
     return packed, base, (alphabet.tobytes() * base)[:base] if k == 1 else alphabet.tobytes()
+
+
+# "prefix": a stream's packed ranks (the bytes "ranks" writes) coded by a canonical Huffman code whose lengths
+# follow from a model of a few bits per rank stated in the stream, not from a table of the bytes' own.
+_PREFIX_BELOW = 1 << 16  # offered to streams of fewer values: a decoder finds every codeword's start by pointer
+# doubling over all bit offsets (log2 of the codewords passes), cheap on the small streams where zstd's frame and
+# table cost most; a larger stream's zstd frame costs it little
+_PREFIX_WEIGHT_BITS = 62  # a byte's weight (the product of its ranks' frequencies) stays within int64
+_PREFIX_PRECISION = 16  # the most bits a rank's frequency takes
+_PREFIX_LONGEST = 57  # bits: the longest codeword a 64-bit window read at any bit offset holds whole
+
+
+def _prefix_precisions(k: int, per: int) -> range:
+    """The model precisions p a stream of `k` ranks packed `per` to a byte may state: 2**p >= k (every rank a
+    frequency of at least 1) and a byte's weight within `_PREFIX_WEIGHT_BITS`."""
+    return range(max((k - 1).bit_length(), 1), min(_PREFIX_PRECISION, _PREFIX_WEIGHT_BITS // per) + 1)
+
+
+def _prefix_frequencies(counts: list[int], p: int) -> list[int]:
+    """`counts` (every one positive) as frequencies of at least 1 summing to 2**p: proportional, rounded down,
+    then the missing units given to (or surplus taken from) the ranks where a unit matters most. Plain Python:
+    a stream has at most 16 ranks, and NumPy's call overhead would dominate."""
+    total, n, k = 1 << p, sum(counts), len(counts)
+    f = [max(c * total // n, 1) for c in counts]
+    held = sum(f)
+    while held > total:
+        f[max(range(k), key=lambda i: f[i] if f[i] > 1 else 0)] -= 1
+        held -= 1
+    while held < total:
+        f[max(range(k), key=lambda i: counts[i] / f[i])] += 1
+        held += 1
+    return f
+
+
+def _huffman_lengths(weights: np.ndarray) -> np.ndarray:
+    """Huffman code lengths (int64) of positive int64 `weights` (at least two), by the two-queue method on the
+    weights sorted (stable) with a leaf taken before an equal internal node: the same lengths wherever they are
+    computed, which the decoder relies on. Each node's depth then by pointer doubling over its parents."""
+    order = np.argsort(weights, kind="stable")
+    n = order.size
+    w = weights[order].tolist() + [1 << 64]  # a sentinel above any sum of int64 weights
+    inner = [0] * n + [1 << 64]
+    parent = np.zeros(2 * n - 1, np.int64)
+    up = parent.tolist()
+    leaf = node = 0
+    for made in range(n - 1):
+        if w[leaf] <= inner[node] or node == made:
+            a, ia, leaf = w[leaf], leaf, leaf + 1
+        else:
+            a, ia, node = inner[node], n + node, node + 1
+        if w[leaf] <= inner[node] or node == made:
+            b, ib, leaf = w[leaf], leaf, leaf + 1
+        else:
+            b, ib, node = inner[node], n + node, node + 1
+        up[ia] = up[ib] = n + made
+        inner[made] = a + b
+    parent[:] = up
+    parent[-1] = 2 * n - 2  # the root is its own parent
+    depth = (np.arange(2 * n - 1) != 2 * n - 2).astype(np.int64)
+    while True:  # depth[i]: edges from i to parent[i], which now points 2**r levels up
+        step = depth + depth[parent]
+        if np.array_equal(step, depth):
+            break
+        depth, parent = step, parent[parent]
+    lengths = np.empty(n, np.int64)
+    lengths[order] = depth[:n]
+    return lengths
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefix_code(k: int, frequencies: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The canonical code of the bytes of `_radix_digits(k)` ranks below `k` whose ranks have `frequencies`
+    (each byte's weight: the product of its ranks'): (each byte's code length, each byte's code (uint64, right
+    aligned), and for decoding: the codewords' left-aligned 64-bit starts ascending, the byte of each). Weights
+    whose Huffman code would be longer than `_PREFIX_LONGEST` bits are halved (at least 1) until it is not."""
+    per = _radix_digits(k)
+    b = np.arange(k ** per)
+    weights = np.ones(b.size, np.int64)
+    f = np.asarray(frequencies, np.int64)
+    for j in range(per):
+        weights *= f[(b // k ** j) % k]
+    lengths = _huffman_lengths(weights)
+    while lengths.max() > _PREFIX_LONGEST:
+        weights = np.maximum(weights >> 1, 1)
+        lengths = _huffman_lengths(weights)
+    order = np.lexsort((b, lengths))  # canonical: by length, then byte
+    steps = np.uint64(1) << (np.uint64(64) - lengths[order].astype(np.uint64))
+    starts = np.concatenate([np.zeros(1, np.uint64), np.cumsum(steps[:-1], dtype=np.uint64)])
+    codes = np.empty(b.size, np.uint64)
+    codes[order] = starts >> (np.uint64(64) - lengths[order].astype(np.uint64))
+    for a in (lengths, codes, starts, order):
+        a.flags.writeable = False
+    return lengths, codes, starts, order.astype(np.uint8)
+
+
+def _bits_of(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """The bits (uint8 0/1, most significant first) of each uint64 value in its width, concatenated."""
+    widths = widths.astype(np.int64)
+    total = int(widths.sum())
+    starts = np.cumsum(widths) - widths
+    within = np.arange(total, dtype=np.int64) - np.repeat(starts, widths)
+    shift = (np.repeat(widths, widths) - 1 - within).astype(np.uint64)
+    return ((np.repeat(values.astype(np.uint64), widths) >> shift) & np.uint64(1)).astype(np.uint8)
+
+
+def _prefix_of(arr: np.ndarray, counts: np.ndarray | None) -> bytes:
+    """"prefix" of a uint8 stream: one byte k (1..16 distinct values), the k values ascending; for k >= 2 then a
+    byte p and one bit stream, most significant bit first, zero-padded to a byte: the first k - 1 ranks'
+    frequencies in units of 2**-p, p bits each (the last rank's is the rest of 2**p), then each packed byte of
+    the ranks (`_pack`, `_radix_digits(k)` ranks a byte, the last padded with rank 0) in the canonical Huffman
+    code of the byte weights the frequencies give (`_prefix_code`). The precision p is the one that minimises
+    the model's bits plus the ranks' ideal cost under it."""
+    if counts is None:
+        counts = byte_counts(arr)
+    alphabet = np.flatnonzero(counts).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
+    k = alphabet.size
+    if k > _RADIX_MAX:
+        return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
+    head = bytes([k]) + alphabet.tobytes()
+    if k == 1:
+        return head
+    per = _radix_digits(k)
+    c = counts[alphabet].tolist()
+    best = None
+    for p in _prefix_precisions(k, per)[:arr.size.bit_length() + 1]:  # finer than the counts: model bits only
+        f = _prefix_frequencies(c, p)
+        cost = (k - 1) * p + sum(ci * (p - math.log2(fi)) for ci, fi in zip(c, f))
+        if best is None or cost < best[0]:
+            best = (cost, p, f)
+    _, p, f = best
+    lengths, codes, _, _ = _prefix_code(k, tuple(f))
+    packed = _pack(arr, k, _rank_table(alphabet, 0))
+    model = _bits_of(np.asarray(f[:-1], np.uint64), np.full(k - 1, p))
+    bits = np.concatenate([model, _bits_of(codes[packed], lengths[packed])])
+    return head + bytes([p]) + np.packbits(bits).tobytes()
+
+
+def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, int, bytes]:
+    """A "prefix" stream of `size` values as `_ranks_packed` gives a "ranks" stream: its packed ranks decoded and
+    checked, 64-byte aligned with room for `slots` values (zeros past the stream's), their base and the alphabet.
+    Every codeword's start is found at once: each bit offset's codeword length is read from a 64-bit window
+    there, and offsets jump by doubling (round r knows the first 2**r starts and the 2**r-th next offset of
+    every offset). Refused: a model that does not state k frequencies of at least 1 summing to 2**p, fewer bits
+    than the values need, more than a byte of padding, padding that is not zeros, a last byte with more ranks
+    than `size` leaves."""
+    alphabet = _alphabet(blob, _RADIX_MAX, 0, PREFIX)
+    k = alphabet.size
+    base = max(k, 2)
+    per = _radix_digits(base)
+    count = -(-size // per)
+    names = (alphabet.tobytes() * base)[:base] if k == 1 else alphabet.tobytes()
+    if k == 1:
+        if len(blob) != 2:
+            raise CodecError(f"prefix stream of one value holds {len(blob) - 2} more bytes")
+        return _placed(b"", False, 0, max(count, -(-slots // per))), base, names
+    if len(blob) < 2 + k or blob[1 + k] not in _prefix_precisions(k, per):
+        raise CodecError(f"prefix stream of {k} values has no valid precision byte")
+    p = blob[1 + k]
+    body = np.frombuffer(blob, np.uint8, offset=2 + k)
+    nbits = 8 * body.size
+    start = (k - 1) * p
+    if start + count > nbits:  # every codeword takes a bit at least
+        raise CodecError(f"prefix stream of {nbits} bits cannot hold {size} values")
+    model = np.packbits(np.unpackbits(body[:-(-start // 8)])[:start].reshape(k - 1, p), axis=1, bitorder="big")
+    f = np.zeros(k, np.int64)
+    for j in range(model.shape[1]):  # each frequency's bytes, big-endian and left-aligned in its bytes
+        f[:-1] = (f[:-1] << 8) | model[:, j]
+    f[:-1] >>= 8 * model.shape[1] - p
+    f[-1] = (1 << p) - int(f[:-1].sum())
+    if f.min() < 1:
+        raise CodecError(f"prefix stream's model {f.tolist()} is not {k} frequencies of at least 1 summing to 2**{p}")
+    lengths, _, starts, order = _prefix_code(k, tuple(f.tolist()))
+    wide = np.zeros(body.size + 8, np.uint64)
+    wide[:body.size] = body
+    words = np.zeros(body.size, np.uint64)
+    for j in range(8):
+        words |= wide[j:j + body.size] << np.uint64(56 - 8 * j)
+    at = np.arange(start, nbits, dtype=np.int64)
+    found = np.searchsorted(starts, words[at >> 3] << (at & 7).astype(np.uint64), side="right") - 1
+    width = lengths[order][found]
+    jump = np.append(np.minimum(at + width, nbits) - start, nbits - start)  # offsets from `start`; the end stays
+    first = np.zeros(1, np.int64)
+    while first.size < count:
+        first = np.concatenate([first, jump[first]])
+        if first.size < count:
+            jump = jump[jump]
+    first = first[:count]
+    end = int(first[-1]) + int(width[first[-1]]) if first[-1] < nbits - start else nbits + 1
+    if end > nbits - start or nbits - start - end >= 8 or (end < nbits - start and np.unpackbits(body)[start + end:].any()):
+        raise CodecError(f"prefix stream's codewords for {size} values do not end in its last byte")
+    packed = _placed(order[found[first]].tobytes(), False, count, -(-slots // per))
+    if size % per and int(packed[count - 1]) >= k ** (size % per):  # the encoder pads the last byte with rank 0
+        raise CodecError(f"prefix stream holds more than {size} values")
+    return packed, base, names
 
 
 def _decompress_escape(blob: bytes, size: int) -> np.ndarray:

@@ -104,10 +104,10 @@ def test_small_parameters_join_the_chain_from_min_residual_size(tmp_path):
     np.testing.assert_array_equal(np.asarray(out["i"]), np.asarray(s["i"]))
 
 
-def test_a_small_leafs_residual_stream_is_its_alphabet_and_packed_ranks(tmp_path):
-    """Format 14: a residual stream of a small leaf (a bias of 64 values) is written as "ranks" without a zstd
-    frame or a value count: one header byte, its alphabet and ceil(64 / codes a byte) packed bytes; the restore
-    reads it."""
+def test_a_small_leafs_residual_stream_is_its_alphabet_and_its_ranks_without_a_zstd_frame(tmp_path):
+    """A residual stream of a small leaf (a bias of 64 values) is written without a zstd frame or a value count:
+    one header byte, its alphabet, then (format 15) its ranks in a prefix code whose model the stream states,
+    fewer bytes than ceil(64 / codes a byte) packed ranks (format 14's "ranks"); the restore reads it."""
     mngr = manager(tmp_path)
     for step, s in enumerate(walk(5, 2)):
         s = {**s, "b": s["w"][0, :64]}
@@ -116,12 +116,12 @@ def test_a_small_leafs_residual_stream_is_its_alphabet_and_packed_ranks(tmp_path
     reader = store.Reader(tmp_path / "1" / "default")
     (p, shard), = reader.shards["['b']"]
     seg = shard.segments["codes"]
-    assert seg.prior is not None and seg.codec == codec.RANKS
+    assert seg.prior is not None and seg.codec == codec.PREFIX
     blob = reader.object(reader.manifest.object).segment("['b']", p, seg, "codes")
     k = blob[0]
-    assert not k & codec._RANKS_ZSTD and 1 <= k <= 16
-    assert seg.length == 1 + k + -(-64 // codec._radix_digits(max(k, 2)))
+    assert 2 <= k <= 16
     codes = np.frombuffer(codec.decompress(blob, seg.codec, 64), np.uint8)
+    assert seg.length < len(codec.compress(codes, codec.RANKS)) == 1 + k + -(-64 // codec._radix_digits(k))
     assert np.array_equal(np.unique(codes), np.frombuffer(blob[1:1 + k], np.uint8))
     out = np.asarray(ij.InshrinkCheckpointHandler().restore(tmp_path / "1" / "default", ij.InshrinkRestore())["b"])
     assert rms(out, s["b"]) < 1e-3  # the residual corrected the keyframe's 8 levels (values of RMS 0.06)

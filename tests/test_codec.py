@@ -401,3 +401,104 @@ def test_packing_by_a_table_of_pairs_writes_the_bytes_of_digit_by_digit_packing(
     assert np.array_equal(codec._pack(ranks, base), want.astype(np.uint8))
     blob = codec.compress(arr, codec.RANKS)
     assert np.array_equal(codec.decompress_array(blob, codec.RANKS, size), arr)
+
+
+@hypothesis.settings(deadline=None)
+@hypothesis.given(st.integers(0, 70_000), st.integers(1, 16), st.floats(0.0, 6.0), st.integers(0, 2**31 - 1),
+                  st.integers(0, 300))
+def test_prefix_streams_round_trip_and_leave_packed_what_they_decode_to(n, distinct, skew, seed, slack):
+    """"prefix": any stream of 1 to 16 distinct values (a few values, a rare one, heavily skewed, empty) decodes
+    to itself; left packed, value i is rows[packed[i // per], i % per], the packed bytes 64-byte aligned with
+    room for `slots` values, zeros past the stream's (as "ranks")."""
+    rng = np.random.default_rng(seed)
+    p = np.exp(-skew * np.arange(distinct))
+    values = (rng.choice(distinct, n, p=p / p.sum()) * 13 + 5).astype(np.uint8)
+    blob = codec.compress(values, codec.PREFIX)
+    assert codec.decompress(blob, codec.PREFIX, n) == values.tobytes()
+    packed, rows = codec.packed_values(blob, codec.PREFIX, n, n + slack)
+    per = rows.shape[1]
+    assert (packed.ctypes.data % 64 == 0 or not packed.size) and packed.size == max(-(-n // per), -(-(n + slack) // per))
+    assert not packed[-(-n // per):].any()
+    i = np.arange(n)
+    assert np.array_equal(rows[packed[i // per], i % per], values)
+
+
+@pytest.mark.parametrize("n,p", [(64, [0.7, 0.15, 0.15]), (4096, [0.7, 0.15, 0.15]),
+                                 (4096, [0.05, 0.3, 0.3, 0.3, 0.05]), (20_000, [0.6, 0.1, 0.1, 0.1, 0.05, 0.05]),
+                                 (30_000, [0.9, 0.05, 0.05])])
+def test_prefix_codes_a_small_stream_near_its_entropy_where_zstd_frames_do_not(n, p):
+    """The streams of a model of many small leaves (a few thousand codes of 3 to 6 levels each): zstd's frame
+    and Huffman table cost tens of bytes a stream; "prefix" states a model of a few bits per level and codes the
+    packed ranks with the Huffman code it implies, within 3% of the order-0 entropy plus a few bytes, and
+    compress_best takes it."""
+    a = np.random.default_rng(2).choice(len(p), n, p=p).astype(np.uint8)
+    h0 = codec.order0_entropy_bytes(a)
+    blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
+    assert used == codec.PREFIX and len(blob) <= 1.03 * h0 + len(p) + 8, (len(blob), h0)
+    assert len(blob) < len(codec.compress(a, codec.RANKS, codec.CODE_LEVEL))
+
+
+def test_prefix_is_not_offered_past_its_size_bound():
+    """A stream of `_PREFIX_BELOW` values or more is left to zstd: finding its codewords' starts takes a pass per
+    doubling of their count over all bit offsets."""
+    a = np.random.default_rng(3).choice(3, 1 << 16, p=[0.7, 0.15, 0.15]).astype(np.uint8)
+    assert codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)[1] != codec.PREFIX
+    assert codec.compress_best(a[:-1], codec.CODE_CODECS, codec.CODE_LEVEL)[1] == codec.PREFIX
+
+
+def test_a_prefix_stream_with_a_bad_header_model_length_or_padding_is_refused():
+    """A "prefix" stream states no value count and no code table: its alphabet ascending and of 1 to 16 values,
+    its precision within what its alphabet allows, its model k frequencies of at least 1 summing to 2**p, and its
+    codewords for exactly `size` values ending in its last byte, the rest of that byte zeros, the last packed
+    byte's padding rank 0."""
+    a = np.array([0, 0, 0, 1, 31, 0, 0, 1, 0, 0] * 40, np.uint8)
+    blob = codec.compress(a, codec.PREFIX)
+    assert blob[:4] == bytes([3, 0, 1, 31]) and codec.decompress(blob, codec.PREFIX, a.size) == a.tobytes()
+    with pytest.raises(codec.CodecError, match="alphabet"):
+        codec.decompress(blob[:1] + b"\x00\x1f\x01" + blob[4:], codec.PREFIX, a.size)
+    with pytest.raises(codec.CodecError, match="precision"):
+        codec.decompress(blob[:4] + b"\x01" + blob[5:], codec.PREFIX, a.size)  # 2 bits at least for 3 values
+    with pytest.raises(codec.CodecError, match="precision"):
+        codec.decompress(blob[:4], codec.PREFIX, a.size)
+    p = blob[4]
+    with pytest.raises(codec.CodecError, match="model"):  # the first frequency all ones: the rest sum past 2**p
+        bits = np.unpackbits(np.frombuffer(blob[5:], np.uint8))
+        bits[:p] = 1
+        codec.decompress(blob[:5] + np.packbits(bits).tobytes(), codec.PREFIX, a.size)
+    with pytest.raises(codec.CodecError, match="do not end"):
+        codec.decompress(blob[:-1], codec.PREFIX, a.size)
+    with pytest.raises(codec.CodecError, match="do not end"):
+        codec.decompress(blob + b"\x00", codec.PREFIX, a.size)
+    with pytest.raises(codec.CodecError, match="do not end|more than"):
+        codec.decompress(blob, codec.PREFIX, a.size - 5)
+    with pytest.raises(codec.CodecError, match="cannot hold"):
+        codec.decompress(blob, codec.PREFIX, 10 * a.size)
+    refused = 0
+    for bit in range(8):  # a bit of the last byte flipped: other codewords, or a one in its padding, refused
+        tail = blob[:-1] + bytes([blob[-1] ^ (1 << bit)])
+        try:
+            assert codec.decompress(tail, codec.PREFIX, a.size) != a.tobytes()
+        except codec.CodecError as e:
+            refused += 1
+            assert "do not end" in str(e) or "more than" in str(e)
+    assert refused
+    five = np.array([1, 0, 0, 2, 2], np.uint8)  # 3 values: 5 ranks a byte
+    assert codec.decompress(codec.compress(five, codec.PREFIX), codec.PREFIX, 5) == five.tobytes()
+    with pytest.raises(codec.CodecError, match="more than 4"):  # its fifth rank (2) is no padding
+        codec.decompress(codec.compress(five, codec.PREFIX), codec.PREFIX, 4)
+    one = codec.compress(np.full(100, 9, np.uint8), codec.PREFIX)  # one value: its alphabet alone
+    assert one == b"\x01\x09" and codec.decompress(one, codec.PREFIX, 100) == bytes([9]) * 100
+    with pytest.raises(codec.CodecError, match="one value"):
+        codec.decompress(one + b"\x00", codec.PREFIX, 100)
+
+
+def test_prefix_codes_an_extremely_skewed_stream_with_a_bounded_code():
+    """Two values, one of them once in 65,535: its bytes of 8 ranks have weights over 50 bits apart, whose Huffman
+    code would exceed what a decoder's 64-bit window holds unless flattened; the stream still decodes, at a bit
+    for each byte of ranks (a prefix code's least), and compress_best takes a zstd codec there instead."""
+    a = np.zeros(65_535, np.uint8)
+    a[12_345] = 7
+    blob = codec.compress(a, codec.PREFIX)
+    assert codec.decompress(blob, codec.PREFIX, a.size) == a.tobytes()
+    assert len(blob) <= -(-a.size // 8) / 8 + 16
+    assert codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)[1] != codec.PREFIX
