@@ -45,7 +45,9 @@ WHY_ABOVE_H0 = (
     "(the smallest tensor has 640 codes, the middle one 18k). Packing several codes to a byte (ranks, from format "
     "14: the ranks of at most 16 distinct values, e.g. a delta's 0, +1 and -1 mod b, as digits of a byte, then "
     "zstd where that is smaller; zstd-radix and zstd-rank before) shares Huffman's per-symbol loss among the "
-    "codes of a byte, and zstd-runs codes the run lengths of "
+    "codes of a byte; prefix (from format 15, streams of fewer than 65,536 values) codes those packed bytes with a "
+    "Huffman code that a model of a few bits per rank in the stream's header determines, instead of zstd's frame "
+    "and table; and zstd-runs codes the run lengths of "
     "zeros with the non-zero values radix-packed, which is why the streams come within a few percent of H0. The "
     "last two "
     "columns are plain zstd at levels 1 and 3, without the codec choices (codec.CODE_CODECS at "
@@ -240,7 +242,7 @@ def main(argv=None):
              "Ratio = float32 bytes of all parameters / stored bytes (code stream + the protected values, "
              "centres and lossless leaves that every variant stores alike). H0 = order-0 entropy of the code "
              "stream, the bound of a memoryless symbol coder; 'zstd' is what the handler stores (the smallest of "
-             "zstd level 1, zstd-runs, zstd-radix and zstd-rank); zstd/H0 < 1 would mean it found "
+             "codec.CODE_CODECS: zstd at its code settings, zstd-runs, ranks, prefix, zstd-escape); zstd/H0 < 1 would mean it found "
              "structure beyond symbol frequencies (runs).", "",
              WHY_ABOVE_H0, "",
              "## Overall", "",
