@@ -683,6 +683,7 @@ _PREFIX_BELOW = 1 << 16  # offered to streams of fewer values: a decoder finds e
 _PREFIX_WEIGHT_BITS = 62  # a byte's weight (the product of its ranks' frequencies) stays within int64
 _PREFIX_PRECISION = 16  # the most bits a rank's frequency takes
 _PREFIX_LONGEST = 57  # bits: the longest codeword a 64-bit window read at any bit offset holds whole
+_BIT_SHIFTS = np.arange(8, dtype=np.uint64)[None, :]
 
 
 def _prefix_precisions(k: int, per: int) -> range:
@@ -710,35 +711,40 @@ def _prefix_frequencies(counts: list[int], p: int) -> list[int]:
 def _huffman_lengths(weights: np.ndarray) -> np.ndarray:
     """Huffman code lengths (int64) of positive int64 `weights` (at least two), by the two-queue method on the
     weights sorted (stable) with a leaf taken before an equal internal node: the same lengths wherever they are
-    computed, which the decoder relies on. Each node's depth then by pointer doubling over its parents."""
+    computed, which the decoder relies on. Plain Python over at most 256 weights (a decoder builds one code per
+    stream; NumPy's per-call overhead would dominate)."""
     order = np.argsort(weights, kind="stable")
     n = order.size
-    w = weights[order].tolist() + [1 << 64]  # a sentinel above any sum of int64 weights
-    inner = [0] * n + [1 << 64]
-    parent = np.zeros(2 * n - 1, np.int64)
-    up = parent.tolist()
+    top = 1 << 64  # above any sum of int64 weights: an exhausted queue's sentinel
+    w = weights[order].tolist()
+    w.append(top)
+    inner = [top] * n
+    up = [0] * (2 * n - 1)
     leaf = node = 0
     for made in range(n - 1):
-        if w[leaf] <= inner[node] or node == made:
-            a, ia, leaf = w[leaf], leaf, leaf + 1
+        if w[leaf] <= inner[node]:
+            a = w[leaf]
+            up[leaf] = made
+            leaf += 1
         else:
-            a, ia, node = inner[node], n + node, node + 1
-        if w[leaf] <= inner[node] or node == made:
-            b, ib, leaf = w[leaf], leaf, leaf + 1
+            a = inner[node]
+            up[n + node] = made
+            node += 1
+        if w[leaf] <= inner[node]:
+            a += w[leaf]
+            up[leaf] = made
+            leaf += 1
         else:
-            b, ib, node = inner[node], n + node, node + 1
-        up[ia] = up[ib] = n + made
-        inner[made] = a + b
-    parent[:] = up
-    parent[-1] = 2 * n - 2  # the root is its own parent
-    depth = (np.arange(2 * n - 1) != 2 * n - 2).astype(np.int64)
-    while True:  # depth[i]: edges from i to parent[i], which now points 2**r levels up
-        step = depth + depth[parent]
-        if np.array_equal(step, depth):
-            break
-        depth, parent = step, parent[parent]
+            a += inner[node]
+            up[n + node] = made
+            node += 1
+        inner[made] = a
+    # Depths from the root (internal node n - 2) down: an internal node's parent was made after it.
+    depth = [0] * (n - 1)
+    for made in range(n - 3, -1, -1):
+        depth[made] = depth[up[n + made]] + 1
     lengths = np.empty(n, np.int64)
-    lengths[order] = depth[:n]
+    lengths[order] = [depth[up[i]] + 1 for i in range(n)]
     return lengths
 
 
@@ -836,34 +842,38 @@ def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, 
     start = (k - 1) * p
     if start + count > nbits:  # every codeword takes a bit at least
         raise CodecError(f"prefix stream of {nbits} bits cannot hold {size} values")
-    model = np.packbits(np.unpackbits(body[:-(-start // 8)])[:start].reshape(k - 1, p), axis=1, bitorder="big")
-    f = np.zeros(k, np.int64)
-    for j in range(model.shape[1]):  # each frequency's bytes, big-endian and left-aligned in its bytes
-        f[:-1] = (f[:-1] << 8) | model[:, j]
-    f[:-1] >>= 8 * model.shape[1] - p
-    f[-1] = (1 << p) - int(f[:-1].sum())
-    if f.min() < 1:
-        raise CodecError(f"prefix stream's model {f.tolist()} is not {k} frequencies of at least 1 summing to 2**{p}")
-    lengths, _, starts, order = _prefix_code(k, tuple(f.tolist()))
-    wide = np.zeros(body.size + 8, np.uint64)
-    wide[:body.size] = body
-    words = np.zeros(body.size, np.uint64)
-    for j in range(8):
-        words |= wide[j:j + body.size] << np.uint64(56 - 8 * j)
-    at = np.arange(start, nbits, dtype=np.int64)
-    found = np.searchsorted(starts, words[at >> 3] << (at & 7).astype(np.uint64), side="right") - 1
+    bits = int.from_bytes(blob[2 + k:2 + k + -(-start // 8)], "big") >> (-start % 8)  # the model's bits
+    f = [(bits >> (p * (k - 2 - i))) & ((1 << p) - 1) for i in range(k - 1)]
+    f.append((1 << p) - sum(f))
+    if min(f) < 1:
+        raise CodecError(f"prefix stream's model {f} is not {k} frequencies of at least 1 summing to 2**{p}")
+    lengths, _, starts, order = _prefix_code(k, tuple(f))
+    padded = np.zeros(body.size + 8, np.uint8)
+    padded[:body.size] = body
+    # The 8 bytes from each byte offset as one big-endian word (overlapping items of stride 1, read in one pass),
+    # shifted by 0..7: the 64-bit window at every bit offset, in order; from the model's end on.
+    words = np.ndarray((body.size,), ">u8", padded, 0, (1,)).astype(np.uint64)
+    windows = (words[:, None] << _BIT_SHIFTS).reshape(-1)[start:]
+    found = np.searchsorted(starts, windows, side="right") - 1
     width = lengths[order][found]
-    jump = np.append(np.minimum(at + width, nbits) - start, nbits - start)  # offsets from `start`; the end stays
-    first = np.zeros(1, np.int64)
-    while first.size < count:
-        first = np.concatenate([first, jump[first]])
-        if first.size < count:
+    rel = nbits - start  # offsets from the model's end; an offset past the end jumps to the end
+    jump = np.empty(rel + 1, np.int64)
+    np.minimum(np.arange(rel) + width, rel, out=jump[:rel])
+    jump[rel] = rel
+    first = np.zeros(1 << max(count - 1, 0).bit_length(), np.int64)  # the first 2**r codewords' offsets
+    have = 1
+    while have < count:
+        first[have:2 * have] = jump[first[:have]]
+        have *= 2
+        if have < count:
             jump = jump[jump]
     first = first[:count]
-    end = int(first[-1]) + int(width[first[-1]]) if first[-1] < nbits - start else nbits + 1
-    if end > nbits - start or nbits - start - end >= 8 or (end < nbits - start and np.unpackbits(body)[start + end:].any()):
+    end = start + int(first[-1]) + int(width[first[-1]]) if first[-1] < rel else nbits + 1
+    if not nbits - 8 < end <= nbits or int(body[-1]) & ((1 << (nbits - end)) - 1):  # padding: < 8 zero bits
         raise CodecError(f"prefix stream's codewords for {size} values do not end in its last byte")
-    packed = _placed(order[found[first]].tobytes(), False, count, -(-slots // per))
+    packed = aligned_empty(max(count, -(-slots // per)))
+    np.take(order, found[first], out=packed[:count])
+    packed[count:] = 0
     if size % per and int(packed[count - 1]) >= k ** (size % per):  # the encoder pads the last byte with rank 0
         raise CodecError(f"prefix stream holds more than {size} values")
     return packed, base, names
