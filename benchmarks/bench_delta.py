@@ -45,7 +45,7 @@ WHY_ABOVE_H0 = (
     "(the smallest tensor has 640 codes, the middle one 18k). Packing several codes to a byte (ranks, from format "
     "14: the ranks of at most 16 distinct values, e.g. a delta's 0, +1 and -1 mod b, as digits of a byte, then "
     "zstd where that is smaller; zstd-radix and zstd-rank before) shares Huffman's per-symbol loss among the "
-    "codes of a byte; prefix (from format 15, streams of fewer than 65,536 values) codes those packed bytes with a "
+    "codes of a byte; prefix (from format 15, streams of fewer than 16,384 values) codes those packed bytes with a "
     "Huffman code that a model of a few bits per rank in the stream's header determines, instead of zstd's frame "
     "and table; and zstd-runs codes the run lengths of "
     "zeros with the non-zero values radix-packed, which is why the streams come within a few percent of H0. The "
