@@ -55,7 +55,7 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 stream, zstd's frame: a leaf of 64 values of 3 to 5 levels packs to 13 to 22 bytes, to which a
                 frame adds its own header and block (benchmarks/results/save_breakdown_vit.md: a vision
                 transformer's streams, many of 64 values, at 1.134x their order-0 entropy before, 1.093x since).
-  "prefix"      for uint8 streams of at most 16 distinct values and fewer than `_PREFIX_BELOW` values (the code
+  "prefix"      for uint8 streams of at most 16 distinct values and fewer than `PREFIX_BELOW` values (the code
                 streams of a model of many small leaves): "ranks"' alphabet, then a model of the ranks (a
                 precision p and k - 1 frequencies of p bits) and the packed ranks (the bytes "ranks" writes), each
                 coded by the canonical Huffman code of the byte values' weights under that model (the products
@@ -345,7 +345,7 @@ def _can_win(codec: str, counts: np.ndarray | None) -> bool:
     if codec == RANKS:
         return 0 < np.count_nonzero(counts) <= _RADIX_MAX
     if codec == PREFIX:
-        return 0 < np.count_nonzero(counts) <= _RADIX_MAX and int(counts.sum()) < _PREFIX_BELOW
+        return 0 < np.count_nonzero(counts) <= _RADIX_MAX and int(counts.sum()) < PREFIX_BELOW
     if codec in (ZSTD_RADIX, ZSTD_RANK):
         present = np.flatnonzero(counts)
         radix = not counts[_RADIX_MAX:].any()
@@ -677,10 +677,9 @@ def _ranks_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, i
 
 # "prefix": a stream's packed ranks (the bytes "ranks" writes) coded by a canonical Huffman code whose lengths
 # follow from a model of a few bits per rank stated in the stream, not from a table of the bytes' own.
-_PREFIX_BELOW = 1 << 14  # offered to streams of fewer values: a decoder finds every codeword's start by pointer
-# doubling over all bit offsets (log2 of the codewords passes): 4-6x as long as "ranks" on streams of 4,096 values,
-# 15-25x on 16,384 and 60-90x on 65,535, where it saves 1-3% (ad hoc, 3 and 5 levels); a small stream's zstd
-# frame and table cost it most
+PREFIX_BELOW = 1 << 14  # offered to streams of fewer values: a decoder finds every codeword's start by pointer
+# doubling over all bit offsets (a pass per doubling of the codewords), so its decode grows faster than the stream
+# while what it saves over a zstd frame shrinks relative to it (benchmarks/results/codec_speed.md)
 _PREFIX_WEIGHT_BITS = 62  # a byte's weight (the product of its ranks' frequencies) stays within int64
 _PREFIX_PRECISION = 16  # the most bits a rank's frequency takes
 _PREFIX_LONGEST = 57  # bits: the longest codeword a 64-bit window read at any bit offset holds whole

@@ -439,7 +439,7 @@ def test_prefix_codes_a_small_stream_near_its_entropy_where_zstd_frames_do_not(n
 
 
 def test_prefix_is_not_offered_past_its_size_bound():
-    """A stream of `_PREFIX_BELOW` values or more is left to zstd: finding its codewords' starts takes a pass per
+    """A stream of `PREFIX_BELOW` values or more is left to zstd: finding its codewords' starts takes a pass per
     doubling of their count over all bit offsets."""
     a = np.random.default_rng(3).choice(3, 1 << 14, p=[0.7, 0.15, 0.15]).astype(np.uint8)
     assert codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)[1] != codec.PREFIX
