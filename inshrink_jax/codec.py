@@ -680,6 +680,8 @@ def _ranks_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, i
 PREFIX_BELOW = 1 << 14  # offered to streams of fewer values: a decoder finds every codeword's start by pointer
 # doubling over all bit offsets (a pass per doubling of the codewords), so its decode grows faster than the stream
 # while what it saves over a zstd frame shrinks relative to it (benchmarks/results/codec_speed.md)
+_PREFIX_READ_MAX = 1 << 16  # values: a reader refuses a longer "prefix" stream (its decode's arrays take up to ~25
+# bytes per bit of the stream, up to `_PREFIX_LONGEST` bits a codeword, before the stream is checked)
 _PREFIX_WEIGHT_BITS = 62  # a byte's weight (the product of its ranks' frequencies) stays within int64
 _PREFIX_PRECISION = 16  # the most bits a rank's frequency takes
 _PREFIX_LONGEST = 57  # bits: the longest codeword a 64-bit window read at any bit offset holds whole
@@ -823,7 +825,8 @@ def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, 
     there, and offsets jump by doubling (round r knows the first 2**r starts and the 2**r-th next offset of
     every offset). Refused: a model that does not state k frequencies of at least 1 summing to 2**p, fewer bits
     than the values need, more than a byte of padding, padding that is not zeros, a last byte with more ranks
-    than `size` leaves."""
+    than `size` leaves, more than `_PREFIX_READ_MAX` values or more bits than their longest codewords take (both
+    before the decode's arrays are allocated)."""
     alphabet = _alphabet(blob, _RADIX_MAX, 0, PREFIX)
     k = alphabet.size
     base = max(k, 2)
@@ -840,7 +843,9 @@ def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, 
     body = np.frombuffer(blob, np.uint8, offset=2 + k)
     nbits = 8 * body.size
     start = (k - 1) * p
-    if start + count > nbits:  # every codeword takes a bit at least
+    if size > _PREFIX_READ_MAX:
+        raise CodecError(f"prefix stream of {size} values: this reader decodes at most {_PREFIX_READ_MAX:,}")
+    if not start + count <= nbits <= start + count * _PREFIX_LONGEST + 7:  # 1 to 57 bits a codeword, then padding
         raise CodecError(f"prefix stream of {nbits} bits cannot hold {size} values")
     bits = int.from_bytes(blob[2 + k:2 + k + -(-start // 8)], "big") >> (-start % 8)  # the model's bits
     f = [(bits >> (p * (k - 2 - i))) & ((1 << p) - 1) for i in range(k - 1)]

@@ -473,6 +473,10 @@ def test_a_prefix_stream_with_a_bad_header_model_length_or_padding_is_refused():
         codec.decompress(blob, codec.PREFIX, a.size - 5)
     with pytest.raises(codec.CodecError, match="cannot hold"):
         codec.decompress(blob, codec.PREFIX, 10 * a.size)
+    with pytest.raises(codec.CodecError, match="cannot hold"):  # more bits than 400 codewords of 57 bits take
+        codec.decompress(blob + bytes(400 * 57 // 8), codec.PREFIX, a.size)
+    with pytest.raises(codec.CodecError, match="decodes at most"):  # refused before its arrays are allocated
+        codec.decompress(blob[:5] + bytes(1 << 20), codec.PREFIX, 1 << 24)
     refused = 0
     for bit in range(8):  # a bit of the last byte flipped: other codewords, or a one in its padding, refused
         tail = blob[:-1] + bytes([blob[-1] ^ (1 << bit)])
