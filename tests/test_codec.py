@@ -506,3 +506,23 @@ def test_prefix_codes_an_extremely_skewed_stream_with_a_bounded_code():
     assert codec.decompress(blob, codec.PREFIX, a.size) == a.tobytes()
     assert len(blob) <= -(-a.size // 8) / 8 + 16
     assert codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)[1] != codec.PREFIX
+
+
+@hypothesis.settings(deadline=None)
+@hypothesis.given(st.lists(st.integers(1, 2**40), min_size=2, max_size=256))
+def test_prefix_code_lengths_are_optimal_and_complete(weights):
+    """The code lengths "prefix" builds from a model are a Huffman code's: their weighted total is the least any
+    prefix code reaches (a heap Huffman's), and they fill the code space exactly (Kraft sum 1), so every window a
+    decoder reads names a codeword."""
+    import heapq
+    w = np.asarray(weights, np.int64)
+    lengths = codec._huffman_lengths(w)
+    heap, best = list(weights), 0
+    heapq.heapify(heap)
+    while len(heap) > 1:
+        merged = heapq.heappop(heap) + heapq.heappop(heap)
+        best += merged
+        heapq.heappush(heap, merged)
+    assert int((lengths * w).sum()) == best
+    top = int(lengths.max())
+    assert sum(1 << (top - int(n)) for n in lengths) == 1 << top
