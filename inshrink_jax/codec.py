@@ -160,23 +160,25 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
         if base > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # one value a byte: plain zstd; never the smallest (compress_best)
         return _radix_of(arr, base, level)
-    elif codec in (ZSTD_RANK, RANKS):
+    elif codec in (ZSTD_RANK, RANKS, PREFIX):
         arr = _bytes_view(data)
         if counts is None:
             counts = byte_counts(arr)
         alphabet = np.flatnonzero(counts).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
         if alphabet.size > _RADIX_MAX:
             return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
+        head = bytes([alphabet.size]) + alphabet.tobytes()
         if codec == ZSTD_RANK:
-            ranks = _ranks(arr, alphabet, 0)
-            return bytes([alphabet.size]) + alphabet.tobytes() + compress(ranks, ZSTD_RADIX, level)
+            return head + compress(_ranks(arr, alphabet, 0), ZSTD_RADIX, level)
+        if codec == PREFIX and alphabet.size == 1:
+            return head  # every value the one in the alphabet
         packed = _pack(arr, max(alphabet.size, 2), _rank_table(alphabet, 0))
+        if codec == PREFIX:
+            return head + _prefix_body(packed, counts[alphabet].tolist(), arr.size)
         framed = _compressor(level).compress(packed) if packed.size > _RANKS_FRAMED_FROM else None
         if framed is not None and len(framed) < packed.size:
             return bytes([alphabet.size | _RANKS_ZSTD]) + alphabet.tobytes() + framed
-        return bytes([alphabet.size]) + alphabet.tobytes() + packed.tobytes()
-    elif codec == PREFIX:
-        return _prefix_of(_bytes_view(data), counts)
+        return head + packed.tobytes()
     elif codec == ZSTD_ESCAPE:
         arr = _bytes_view(data)
         if counts is None:
@@ -670,9 +672,22 @@ def _ranks_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, i
     packed = _placed(body, framed, nbytes, -(-slots // per))
     if nbytes and int(packed[:nbytes].max()) >= k ** per:
         raise CodecError(f"ranks byte {int(packed[:nbytes].max())} is not {per} ranks below {k}")
-    if size % per and int(packed[nbytes - 1]) >= k ** (size % per):  # the encoder pads the last byte with rank 0
-        raise CodecError(f"ranks stream holds more than {size} values")
-    return packed, base, (alphabet.tobytes() * base)[:base] if k == 1 else alphabet.tobytes()
+    _check_padding(packed, size, k, RANKS)
+    return packed, base, _rank_values(alphabet)
+
+
+def _rank_values(alphabet: np.ndarray) -> bytes:
+    """The values a packed stream's ranks stand for, as bytes, one per digit of its base max(k, 2): the alphabet,
+    or an alphabet of one value repeated (its ranks are all 0)."""
+    return alphabet.tobytes() * 2 if alphabet.size == 1 else alphabet.tobytes()
+
+
+def _check_padding(packed: np.ndarray, size: int, k: int, name: str) -> None:
+    """A packed rank stream of `size` values (`_radix_digits(max(k, 2))` ranks a byte) whose last byte holds more
+    ranks than the stream's: those must be rank 0, as the encoder pads."""
+    per = _radix_digits(max(k, 2))
+    if size % per and int(packed[-(-size // per) - 1]) >= k ** (size % per):
+        raise CodecError(f"{name} stream holds more than {size} values")
 
 
 # "prefix": a stream's packed ranks (the bytes "ranks" writes) coded by a canonical Huffman code whose lengths
@@ -786,36 +801,25 @@ def _bits_of(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     return ((np.repeat(values.astype(np.uint64), widths) >> shift) & np.uint64(1)).astype(np.uint8)
 
 
-def _prefix_of(arr: np.ndarray, counts: np.ndarray | None) -> bytes:
-    """"prefix" of a uint8 stream: one byte k (1..16 distinct values), the k values ascending; for k >= 2 then a
-    byte p and one bit stream, most significant bit first, zero-padded to a byte: the first k - 1 ranks'
-    frequencies in units of 2**-p, p bits each (the last rank's is the rest of 2**p), then each packed byte of
-    the ranks (`_pack`, `_radix_digits(k)` ranks a byte, the last padded with rank 0) in the canonical Huffman
-    code of the byte weights the frequencies give (`_prefix_code`). The precision p is the one that minimises
-    the model's bits plus the ranks' ideal cost under it."""
-    if counts is None:
-        counts = byte_counts(arr)
-    alphabet = np.flatnonzero(counts).astype(np.uint8) if arr.size else np.zeros(1, np.uint8)
-    k = alphabet.size
-    if k > _RADIX_MAX:
-        return b"\xff" * (arr.size + 2)  # does not pack: never the smallest (compress_best)
-    head = bytes([k]) + alphabet.tobytes()
-    if k == 1:
-        return head
-    per = _radix_digits(k)
-    c = counts[alphabet].tolist()
+def _prefix_body(packed: np.ndarray, counts: list[int], size: int) -> bytes:
+    """What follows a "prefix" stream's alphabet of k >= 2 values (`compress`): a byte p and one bit stream, most
+    significant bit first, zero-padded to a byte: the first k - 1 ranks' frequencies in units of 2**-p, p bits each
+    (the last rank's is the rest of 2**p), then each of the `packed` ranks' bytes (`_pack`) in the canonical
+    Huffman code of the byte weights the frequencies give (`_prefix_code`). `counts`: each rank's count among the
+    `size` values. The precision p is the one that minimises the model's bits plus the ranks' ideal cost under
+    it."""
+    k = len(counts)
     best = None
-    for p in _prefix_precisions(k, per)[:arr.size.bit_length() + 1]:  # finer than the counts: model bits only
-        f = _prefix_frequencies(c, p)
-        cost = (k - 1) * p + sum(ci * (p - math.log2(fi)) for ci, fi in zip(c, f))
+    for p in _prefix_precisions(k, _radix_digits(k))[:size.bit_length() + 1]:  # finer than the counts: model bits
+        f = _prefix_frequencies(counts, p)
+        cost = (k - 1) * p + sum(ci * (p - math.log2(fi)) for ci, fi in zip(counts, f))
         if best is None or cost < best[0]:
             best = (cost, p, f)
     _, p, f = best
-    lengths, codes, _, _ = _prefix_code(k, tuple(f))
-    packed = _pack(arr, k, _rank_table(alphabet, 0))
+    lengths, codes = _prefix_code(k, tuple(f))[:2]
     model = _bits_of(np.asarray(f[:-1], np.uint64), np.full(k - 1, p))
     bits = np.concatenate([model, _bits_of(codes[packed], lengths[packed])])
-    return head + bytes([p]) + np.packbits(bits).tobytes()
+    return bytes([p]) + np.packbits(bits).tobytes()
 
 
 def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, int, bytes]:
@@ -832,7 +836,7 @@ def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, 
     base = max(k, 2)
     per = _radix_digits(base)
     count = -(-size // per)
-    names = (alphabet.tobytes() * base)[:base] if k == 1 else alphabet.tobytes()
+    names = _rank_values(alphabet)
     if k == 1:
         if len(blob) != 2:
             raise CodecError(f"prefix stream of one value holds {len(blob) - 2} more bytes")
@@ -879,8 +883,7 @@ def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, 
     packed = aligned_empty(max(count, -(-slots // per)))
     np.take(order, found[first], out=packed[:count])
     packed[count:] = 0
-    if size % per and int(packed[count - 1]) >= k ** (size % per):  # the encoder pads the last byte with rank 0
-        raise CodecError(f"prefix stream holds more than {size} values")
+    _check_padding(packed, size, k, PREFIX)
     return packed, base, names
 
 
