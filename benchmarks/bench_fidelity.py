@@ -13,6 +13,9 @@ Workloads (the harness, failures and figures are those of bench_fault_tolerance.
   mnist   the MNIST CNN, 1500 steps, a checkpoint every 50, quality = test accuracy.
   charlm  a 2-layer character transformer (440k parameters), 600 steps with cosine decay, a checkpoint every 30:
           the harsh spacing (a restore every 60 steps, each 15 steps after a save).
+  charlm-lion  the same transformer, data and spacing trained with Lion (peak 1e-3, weight decay 0.1): its
+          one optimizer moment `mu` is the slow average (b2 = 0.99) and its update the sign of a blend of it and
+          the gradient, not linear in it as Adam's and SGD momentum's are.
   longlm  a 3-layer character transformer (1.39M parameters, context 64, batch 16), 3000 steps with cosine
           decay, a checkpoint every 100: ten restores spread over the whole run.
   lstm    a fine-tune: textgenrnn's pretrained character LSTM (462k parameters, examples/textgen.py) on Python's
@@ -95,6 +98,19 @@ class LongLM(ft.CharLM):
     def batch(self, step: int):
         starts = np.random.default_rng((self.seed, step)).integers(0, len(self.train) - self.CONTEXT - 1, self.BATCH)
         return charlm.windows(self.train, starts, self.CONTEXT)
+
+
+class CharLMLion(ft.CharLM):
+    """The 440k character transformer trained with Lion instead of AdamW (module docstring)."""
+
+    name = "charlm-lion"
+    PEAK_LR = 1e-3
+
+    def describe(self, steps):
+        return super().describe(steps).replace("AdamW 3e-3", f"Lion {self.PEAK_LR:g} (weight decay 0.1)")
+
+    def create_state(self):
+        return charlm.create_state(self.vocab, self.seed, steps=self.total, peak_lr=self.PEAK_LR, optimizer="lion")
 
 
 class LSTMFineTune(ft.Workload):
@@ -204,7 +220,7 @@ class ViTAdamW(ScheduledMnist):
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
-WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
+WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
              "vit": ViTAdamW}
 
 

@@ -67,12 +67,14 @@ class CharTransformer(nn.Module):
 
 
 def create_state(vocab: int, seed: int = 0, steps: int = 1000, peak_lr: float = 3e-3, d: int = 128,
-                 layers: int = 2, context: int = CONTEXT) -> train_state.TrainState:
-    """AdamW (weight decay 0.01) with min(50, steps / 10) warm-up steps and cosine decay to 10% of `peak_lr` at
-    `steps`; a `CharTransformer` of width `d`, `layers` blocks and `context` positions."""
+                 layers: int = 2, context: int = CONTEXT, optimizer: str = "adamw") -> train_state.TrainState:
+    """AdamW (weight decay 0.01), or Lion (`optimizer="lion"`: weight decay 0.1, the 10x larger decay and
+    smaller `peak_lr` Lion's authors pair with it), with min(50, steps / 10) warm-up steps and cosine decay to
+    10% of `peak_lr` at `steps`; a `CharTransformer` of width `d`, `layers` blocks and `context` positions."""
     model = CharTransformer(vocab, d=d, layers=layers, context=context)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, context), jnp.int32))["params"]
     warmup = min(50, steps // 10)
     lr = optax.warmup_cosine_decay_schedule(0.0, peak_lr, warmup, steps, end_value=peak_lr * 0.1)
     return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adamw(lr, weight_decay=0.01))
+                                         tx=optax.lion(lr, weight_decay=0.1) if optimizer == "lion" else
+                                         optax.adamw(lr, weight_decay=0.01))

@@ -30,7 +30,9 @@ whatever nu's own error (mu' / sqrt(nu_hat) = r'), and a mu that is tiny where n
 row, an input that is seldom on) is never blown up to a level of the tensor's larger values: coded on its own in
 the log domain, 2 levels a sign gave a fine-tuned LSTM's update a squared error 17x its own
 (benchmarks/results/moment_error_lstm.md). A first moment without a second moment of its shape beside it (SGD
-momentum's `trace`, Lion's `mu`) is coded the same way with sqrt(nu_hat) = 1: its update is linear in it.
+momentum's `trace`, Lion's `mu`) is coded the same way with sqrt(nu_hat) = 1: SGD's update is linear in it;
+Lion's is the sign of a blend of it and the gradient, and its `mu` the slow average, so Lion's is coded within a
+tenth of the budget (`policy.SIGN_BUDGET`).
 The ratio is quantized uniformly with its cells' means as levels (an entropy-coded uniform quantizer: at the same
 squared error it takes about 10% fewer bits than k-means levels, and 16-22% fewer at the same budget;
 benchmarks/results/moment_error.md): cells of
@@ -214,7 +216,8 @@ def _codes(m, r, zero, exact, levels, cells, width):
 
 def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array | None],
                            weight_codes: Sequence[jax.Array | None], cfg: CompressionConfig,
-                           prunes: Sequence[bool] | None = None) -> list[DeviceCodes]:
+                           prunes: Sequence[bool] | None = None,
+                           budgets: Sequence[float] | None = None) -> list[DeviceCodes]:
     """Quantize first moments relative to their second moments (see the module docstring), dispatched and not
     waited for.
 
@@ -228,6 +231,8 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
       prunes: for each, whether its weight's pruned codes prune it (None: all do). False for the codes of a
         closed-loop residual, whose pruned entries keep the weight's previous value: passed anyway, so a
         residual save runs the kernels a keyframe compiled.
+      budgets: for each, the factor of `effective_moment_budget` it is coded within (None: 1 for all; Lion's
+        `mu` takes `policy.SIGN_BUDGET`).
 
     Returns:
       One `DeviceCodes` per moment: `centres` the cells' levels in `FIRST_CAPACITY` slots (the first `bins`
@@ -239,12 +244,13 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
     if not ms:
         return []
     prunes = [True] * len(ms) if prunes is None else list(prunes)
-    if len(prunes) != len(ms):
-        raise ValueError("moments.encode_first_on_device needs one prunes flag per moment")
+    budgets = [1.0] * len(ms) if budgets is None else list(budgets)
+    if not len(prunes) == len(budgets) == len(ms):
+        raise ValueError("moments.encode_first_on_device needs one prunes flag and one budget factor per moment")
     out = []
-    for m, s, wc, pr in zip(ms, scales, weight_codes, prunes):
+    for m, s, wc, pr, b in zip(ms, scales, weight_codes, prunes, budgets):
         r, zero, exact, hist = _ratio(m, s, wc, np.bool_(pr), spec=RATIO_SKETCH)
-        levels, cells, width = _widths(hist, np.float32(cfg.effective_moment_budget), spec=RATIO_SKETCH)
+        levels, cells, width = _widths(hist, np.float32(b * cfg.effective_moment_budget), spec=RATIO_SKETCH)
         codes, table, in_place = _codes(m, r, zero, exact, levels, cells, width)
         out.append(DeviceCodes(codes, table, in_place, cells, scale=s))
     return out

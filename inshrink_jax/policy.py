@@ -57,10 +57,21 @@ MOMENT_FIELDS: dict[type, dict[str, str]] = {
     optax.EmaState: {"ema": FIRST},
     optax.FactoredState: {"v_row": SECOND, "v_col": SECOND, "v": SECOND},
 }
+# Lion's `mu` is coded within this fraction of the first moments' budget (CompressionConfig.moment_budget):
+# Lion's update is the sign of b1 * mu + (1 - b1) * g, so an error of mu flips whole steps rather than scaling
+# them, and its mu is the slow average (b2 = 0.99): an error lasts ~100 steps, not the ~10 of Adam's mu (b1 = 0.9).
+# At the full budget, 5 restores moved a Lion-trained MLP's final loss by +3.4% to +7.0% over three seeds
+# (benchmarks/results/optimizers_lion_full_budget.md; -0.8% to -1.1% at this fraction, optimizers.md), and 10
+# restores of a character transformer trained with Lion moved its loss by -9.0%, 4.8x its seed-to-seed noise, where
+# the settings that stay near exact ended within +0.5% to +0.7% (benchmarks/results/fidelity_charlm-lion.md).
+SIGN_BUDGET = 0.1
+# Per optax state type: field -> the factor of the first-moment budget its moment is coded within (1 if absent).
+MOMENT_BUDGETS: dict[type, dict[str, float]] = {optax.ScaleByLionState: {"mu": SIGN_BUDGET}}
 COUNTER = "count"
-# Field sets that identify an optax state in a plain dict (a restore without a target): only states with a
-# step counter, so a model dict with one module named `trace` or `nu` is never taken for one.
-_DICT_SIGNATURES = {frozenset(t._fields): fields for t, fields in MOMENT_FIELDS.items() if COUNTER in t._fields}
+# Field sets that identify an optax state in a plain dict (a restore without a target, or NNX's mirror of an
+# optax state): only states with a step counter, so a model dict with one module named `trace` or `nu` is never
+# taken for one.
+_DICT_SIGNATURES = {frozenset(t._fields): t for t in MOMENT_FIELDS if COUNTER in t._fields}
 _ALL_MOMENT_FIELDS = {f for fields in MOMENT_FIELDS.values() for f in fields}
 BATCH_STATS = "batch_stats"  # Linen's collection of batch statistics
 
@@ -77,6 +88,8 @@ class LeafPolicy:
       group: key path of the optimizer state the moment or counter belongs to (for coupling), else None.
       mirror: for a moment, the key path inside its moment field: the path of the parameter it mirrors.
       explicit: whether a user rule or label chose `policy`.
+      budget: for a first moment, the factor of `CompressionConfig.effective_moment_budget` it is coded within
+        (`MOMENT_BUDGETS`).
     """
 
     part: str
@@ -86,6 +99,7 @@ class LeafPolicy:
     group: str | None = None
     mirror: tuple = ()
     explicit: bool = False
+    budget: float = 1.0
 
 
 def _name(k) -> Any:
@@ -96,7 +110,8 @@ def _is_optax_state(x) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields") and type(x).__module__.startswith("optax")
 
 
-def _dict_signature(x) -> dict | None:
+def _dict_signature(x) -> type | None:
+    """The optax state type whose fields are exactly the keys of the dict `x`, else None."""
     if isinstance(x, dict) and all(isinstance(k, str) for k in x):
         return _DICT_SIGNATURES.get(frozenset(x))
     return None
@@ -114,16 +129,18 @@ def _structure(tree, prefix: tuple = (), ctx: tuple[LeafPolicy, int] | None = No
         full = prefix + tuple(path)
         if _is_optax_state(node) or _dict_signature(node) is not None:
             is_tuple = _is_optax_state(node)
-            fields = MOMENT_FIELDS.get(type(node), {}) if is_tuple else _dict_signature(node)
+            kind = type(node) if is_tuple else _dict_signature(node)
+            fields = MOMENT_FIELDS.get(kind, {})
             group = jax.tree_util.keystr(full) if fields else None
             for name in (node._fields if is_tuple else tuple(node)):
                 key = jax.tree_util.GetAttrKey(name) if is_tuple else jax.tree_util.DictKey(name)
                 child = getattr(node, name) if is_tuple else node[name]
-                role = LeafPolicy("optimizer", "lossless", fields.get(name), name == COUNTER and bool(fields), group)
+                role = LeafPolicy("optimizer", "lossless", fields.get(name), name == COUNTER and bool(fields), group,
+                                  budget=MOMENT_BUDGETS.get(kind, {}).get(name, 1.0))
                 out.update(_structure(child, full + (key,), (role, len(full) + 1)))
         elif isinstance(node, nnx.Variable):
             for sub, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is None)[0]:
-                out[jax.tree_util.keystr(full + tuple(sub))] = _nnx_policy(node, full + tuple(sub), leaf)
+                out[jax.tree_util.keystr(full + tuple(sub))] = _nnx_policy(node, full + tuple(sub), leaf, ctx)
         else:
             out[jax.tree_util.keystr(full)] = _plain_policy(full, node, ctx)
     return out
@@ -138,12 +155,16 @@ def _plain_policy(path: tuple, leaf, ctx: tuple[LeafPolicy, int] | None) -> Leaf
     return LeafPolicy("params", "quantize")
 
 
-def _nnx_policy(var, path: tuple, leaf) -> LeafPolicy:
-    """The policy of a leaf of an NNX variable; `path` is the leaf's key path (ending in `.value`)."""
+def _nnx_policy(var, path: tuple, leaf, ctx: tuple[LeafPolicy, int] | None) -> LeafPolicy:
+    """The policy of a leaf of an NNX variable; `path` is the leaf's key path (ending in `.value`); `ctx` as
+    `_structure`'s: an optimizer variable under a dict that mirrors an optax state (NNX keeps the fields of a
+    state as the keys of a dict) takes that field's role, else the role of the first moment field on its path."""
     if isinstance(var, nnx.Param):
         return LeafPolicy("params", "quantize" if _is_float(leaf) else "lossless")
     if not isinstance(var, nnx.optimizer.OptState):
         return LeafPolicy("other", "lossless")
+    if ctx is not None:
+        return _plain_policy(path, leaf, ctx)
     names = [_name(k) for k in path]
     start = max((i for i, n in enumerate(names) if n == "opt_state"), default=-1) + 1
     for j in range(start, len(names)):

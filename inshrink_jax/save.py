@@ -111,6 +111,8 @@ class Plan:
       weights, moments: indices of the leaves quantized by the weights' method and by the moments' method.
       owners: for each moment, the position in `weights` of the weight it mirrors, or None.
       first: for each moment, whether it is a first moment (it then takes its weight's pruning).
+      budgets: for each moment, the factor of `CompressionConfig.effective_moment_budget` a first moment is coded
+        within (`policy.LeafPolicy.budget`).
       scales: for each moment, the leaf index of the second moment a first moment is coded relative to, or None
         (moments.encode_first_on_device).
       grads: for each weight, its gradient EMA or None.
@@ -132,6 +134,7 @@ class Plan:
     moments: list[int]
     owners: list[int | None]
     first: list[bool]
+    budgets: list[float]
     scales: list[int | None]
     grads: list
     base_of: dict[int, str]
@@ -166,7 +169,7 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
     second_of = {chained[k]: j for j, k in zip(seconds, _owners(flat, chained, seconds, policies)) if k is not None}
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
-                [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of,
+                [policies[i].budget for i in moment_idx], [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of,
                 small, [_mirrored(flat[i][0], by_path) for i in small], records.empty_containers(state),
                 grads is not None, second_of)
 
@@ -433,7 +436,7 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     first_devs = moments.encode_first_on_device(
         [p.leaves[p.moments[k]] for k in firsts],
         [None if (j := p.scales[k]) is None else restored.get(j, p.leaves[j]) for k in firsts],
-        [prune[k] for k in firsts], cfg, [prunes[k] for k in firsts])
+        [prune[k] for k in firsts], cfg, [prunes[k] for k in firsts], [p.budgets[k] for k in firsts])
     devs = list(devs) + second_devs + first_devs
     quantized = list(weights) + [p.moments[k] for k in seconds + firsts]
     shards = _device_shards(quantized, [p.leaves[i] for i in quantized], devs)

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import moments, quantize, save
+from inshrink_jax import moments, policy, quantize, save
 from inshrink_jax.save import MIN_MOMENT_SIZE
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -101,8 +101,10 @@ def test_a_residuals_codes_do_not_prune_a_first_moment():
                  (with_codes.bins, without.bins)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.any(np.asarray(codes) == 0) and not np.any(np.asarray(with_codes.codes) == 0)
-    with pytest.raises(ValueError, match="one prunes flag per moment"):
+    with pytest.raises(ValueError, match="one prunes flag and one budget factor per moment"):
         moments.encode_first_on_device([jnp.asarray(mu)], [nu], [codes], cfg, [False, True])
+    with pytest.raises(ValueError, match="one prunes flag and one budget factor per moment"):
+        moments.encode_first_on_device([jnp.asarray(mu)], [nu], [codes], cfg, [False], [1.0, 0.1])
 
 
 @hypothesis.settings(deadline=None, max_examples=20)
@@ -145,6 +147,26 @@ def test_first_moments_where_the_second_moment_cannot_scale_are_stored_exactly()
     np.testing.assert_array_equal(r[1, :4], mu[1, :4])
     assert np.all(np.isfinite(r[2:]))
     assert int((enc.codes == quantize.protected_code(enc.bins)).sum()) == 6
+
+
+def test_lions_first_moment_is_coded_within_the_sign_budget(tmp_path, trained):
+    """A Lion state saved with the default configuration: its `mu` comes back within `policy.SIGN_BUDGET` of the
+    first-moment budget (squared error against its own), where the full budget would not hold it so close."""
+    state, grads, _ = trained
+    lion = state.replace(tx=optax.lion(1e-4), opt_state=optax.lion(1e-4).init(state.params))
+    for _ in range(20):  # a mu of some history: the gradients of the digits' last step, decayed and renewed
+        lion = lion.apply_gradients(grads=jax.tree.map(lambda g: g * (1 + 0.1 * jnp.sign(g)), grads))
+    r, _ = save_restore(tmp_path, lion, grads)
+    cfg = ij.CompressionConfig()
+    errors = []
+    for a, b in zip(jax.tree.leaves(r.opt_state[0].mu), jax.tree.leaves(lion.opt_state[0].mu)):
+        if a.size >= cfg.min_compress_size:
+            errors.append(update_error(np.asarray(a), np.asarray(b)))
+    assert errors and max(errors) <= (np.sqrt(policy.SIGN_BUDGET * cfg.effective_moment_budget) + 0.05) ** 2
+    # and the full budget, as Adam's mu takes it, codes the same moments more coarsely
+    full = [update_error(np.asarray(first_decoded(np.asarray(b))[1]), np.asarray(b))
+            for b in jax.tree.leaves(lion.opt_state[0].mu) if b.size >= cfg.min_compress_size]
+    assert min(full) > max(errors)
 
 
 def test_a_tiny_first_moment_beside_a_tiny_second_moment_keeps_its_update():

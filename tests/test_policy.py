@@ -1,6 +1,8 @@
 """Leaf policies by structure (policy.py): optax state types, NNX variable types, Linen collections, user rules
 and labels; and through the handler, what each decision stores and restores."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,31 @@ def test_nnx_variable_types_decide():
     assert k["['opt']['opt_state'][0]['nu_max']['mu']['kernel'].value"] == ("quantized", "moments")
     assert k["['opt']['opt_state'][0]['mu']['mu']['kernel'].value"] == ("quantized", "moments")
     assert k["['opt']['opt_state'][0]['count'].value"] == ("array", None)
+
+
+def budgets(state):
+    """Key path -> the budget factor of each first moment a save would code."""
+    plan = save.plan(state, None, None, ij.CompressionConfig())
+    return {plan.records[i].keystr: b for i, b, first in zip(plan.moments, plan.budgets, plan.first) if first}
+
+
+def test_lions_first_moment_takes_the_sign_budget_wherever_its_state_is_found():
+    """Lion's `mu` (its update a sign) is coded within `SIGN_BUDGET` of the first-moment budget; Adam's `mu` and
+    SGD's `trace` within all of it: as an optax state, as the plain dict a restore without a target gives, and
+    as NNX's mirror of the state."""
+    params = vae_params()
+    lion = {"params": params, "opt_state": optax.lion(1e-4).init(params)}
+    chained = {"params": params, "opt_state": optax.chain(optax.clip(1.0), optax.lion(1e-4)).init(params),
+               "other": optax.sgd(0.1, momentum=0.9).init(params), "adam": optax.adam(1e-3).init(params)}
+    plain = {"params": params, "opt_state": [{"count": jnp.int32(3), "mu": params}]}
+    model = Model(nnx.Rngs(0))
+    nnx_lion = {"model": nnx.state(model), "opt": nnx.state(nnx.Optimizer(model, optax.lion(1e-4), wrt=nnx.Param))}
+    for state, n in ((lion, 4), (chained, 12), (plain, 4), (nnx_lion, 4)):
+        b = budgets(state)
+        assert len(b) == n
+        for key, factor in b.items():
+            lion_mu = re.match(r"\['opt(_state)?'\](\['opt_state'\])?(\[\d+\])*(\.mu|\['mu'\])", key) is not None
+            assert factor == (policy.SIGN_BUDGET if lion_mu else 1.0), key
 
 
 def test_a_restored_plain_tree_keeps_its_moments():
