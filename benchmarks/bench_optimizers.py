@@ -1,7 +1,7 @@
 """The default configuration on the optimizers users train with: does a run resumed from compressed checkpoints
 end where the same run without restores ends, whatever the optimizer state holds?
 
-Usage: python benchmarks/bench_optimizers.py [--optimizers lion adafactor ...] [--seeds 3] [--sign-budget F]
+Usage: python benchmarks/bench_optimizers.py [--optimizers lion adafactor ...] [--seeds 3] [--budget STATE=F ...]
            [--out benchmarks/results/optimizers.md]
 
 Task: a 3-layer MLP with LayerNorm (83k parameters) on a synthetic teacher (10 classes from a noisy linear map of
@@ -12,8 +12,9 @@ handler. Both runs start from the same initialisation, so their final held-out l
 restores changed (paired: far less noisy than a comparison across seeds, which the table gives as the scale of
 run-to-run noise). Bytes: everything the resumed run wrote, against the raw state at every save.
 
---sign-budget F codes Lion's `mu` within F of the first-moment budget instead of `policy.SIGN_BUDGET` (1: the
-full budget, as Adam's `mu` takes it).
+--budget STATE=F codes the first moment `mu` of the optax state type named STATE (ScaleByLionState,
+MuonState) within F of the first-moment budget instead of its default (`policy.MOMENT_BUDGETS`: Lion's
+`policy.NORMALIZED_BUDGET`, others 1, the full budget Adam's `mu` takes).
 """
 
 from __future__ import annotations
@@ -135,18 +136,23 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS), metavar="NAME")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--sign-budget", type=float, default=None)
+    ap.add_argument("--budget", nargs="+", default=[], metavar="STATE=F")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    if args.sign_budget is not None:
-        policy.MOMENT_BUDGETS[optax.ScaleByLionState] = {"mu": args.sign_budget}
+    types = {t.__name__: t for t in policy.MOMENT_FIELDS}
+    for item in args.budget:
+        name, _, factor = item.partition("=")
+        if name not in types or "mu" not in policy.MOMENT_FIELDS[types[name]]:
+            raise SystemExit(f"--budget {item}: no optax state {name!r} with a first moment mu among {sorted(types)}")
+        policy.MOMENT_BUDGETS[types[name]] = {"mu": float(factor)}
     root = tempfile.mkdtemp()
     cmd = "python benchmarks/bench_optimizers.py" + "".join(
         f" {a}" if a.startswith("--") else f" '{a}'" for a in (sys.argv[1:] if argv is None else argv))
     lines = ["# The default configuration on other optimizers: 5 restores against the same run without them", "",
              f"Command: `{cmd}`", "", __doc__.split("\n\n")[2].replace("\n", " "), "",
-             f"Lion's `mu` coded within {policy.MOMENT_BUDGETS[optax.ScaleByLionState]['mu']:g} of the first-moment "
-             "budget.", "",
+             "First moments coded within these fractions of the first-moment budget: " + ", ".join(
+                 f"{t.__name__}.mu {f['mu']:g}" for t, f in policy.MOMENT_BUDGETS.items()) + " (every other one: 1).",
+             "",
              "| optimizer | final loss, no restores (seeds) | with 5 restores: change (seeds) | mean change | "
              "largest seed-to-seed difference without restores | whole ratio | s |",
              "|---|---|---|---:|---:|---:|---:|"]

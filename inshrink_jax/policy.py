@@ -57,16 +57,43 @@ MOMENT_FIELDS: dict[type, dict[str, str]] = {
     optax.EmaState: {"ema": FIRST},
     optax.FactoredState: {"v_row": SECOND, "v_col": SECOND, "v": SECOND},
 }
-# Lion's `mu` is coded within this fraction of the first moments' budget (CompressionConfig.moment_budget):
-# Lion's update is the sign of b1 * mu + (1 - b1) * g, so an error of mu flips whole steps rather than scaling
-# them, and its mu is the slow average (b2 = 0.99): an error lasts ~100 steps, not the ~10 of Adam's mu (b1 = 0.9).
-# At the full budget, 5 restores moved a Lion-trained MLP's final loss by +3.4% to +7.0% over three seeds
-# (benchmarks/results/optimizers_lion_full_budget.md; -0.8% to -1.1% at this fraction, optimizers.md), and 10
-# restores of a character transformer trained with Lion moved its loss by -9.0%, 4.8x its seed-to-seed noise, where
-# the settings that stay near exact ended within +0.5% to +0.7% (benchmarks/results/fidelity_charlm-lion.md).
-SIGN_BUDGET = 0.1
+
+
+# A first moment whose update is normalized, not linear in it, is coded within this fraction of the first
+# moments' budget (CompressionConfig.moment_budget). Lion's update is the sign of b1 * mu + (1 - b1) * g, so an
+# error of mu flips whole steps rather than scaling them, and its mu is the slow average (b2 = 0.99): an error lasts
+# ~100 steps, not the ~10 of Adam's mu (b1 = 0.9). Muon's is the orthogonal polar factor of its momentum (a matrix
+# sign: every singular direction a unit step). At the full budget, 5 restores moved an MLP's final loss by +3.4%
+# to +7.0% over three seeds with Lion and +1.8% to +4.5% with Muon (benchmarks/results/optimizers_full_budget.md),
+# at this fraction by -0.8% to -1.1% and -0.7% to +2.0% (optimizers.md); 10 restores of a character transformer
+# trained with Lion moved its loss by -9.0%, 4.8x its seed-to-seed noise, at the full budget, where the settings
+# that stay near exact ended within +0.5% to +0.7% (benchmarks/results/fidelity_charlm-lion.md).
+NORMALIZED_BUDGET = 0.1
 # Per optax state type: field -> the factor of the first-moment budget its moment is coded within (1 if absent).
-MOMENT_BUDGETS: dict[type, dict[str, float]] = {optax.ScaleByLionState: {"mu": SIGN_BUDGET}}
+MOMENT_BUDGETS: dict[type, dict[str, float]] = {optax.ScaleByLionState: {"mu": NORMALIZED_BUDGET}}
+
+
+def _unexported_states() -> None:
+    """Add to `MOMENT_FIELDS` (and `MOMENT_BUDGETS`) the states optax does not export at its top level, where the
+    installed optax has them: Muon's (optax.contrib) and RMSProp's with a bias-correction counter (what
+    schedule-free AdamW wraps)."""
+    import importlib  # noqa: PLC0415
+
+    def find(module: str, name: str):
+        try:
+            return getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            return None
+
+    muon, rms = find("optax.contrib", "MuonState"), find("optax._src.transform", "ScaleByRmsWithCountState")
+    if muon is not None:
+        MOMENT_FIELDS[muon] = {"mu": FIRST}
+        MOMENT_BUDGETS[muon] = {"mu": NORMALIZED_BUDGET}
+    if rms is not None:
+        MOMENT_FIELDS[rms] = {"nu": SECOND}
+
+
+_unexported_states()
 COUNTER = "count"
 # Field sets that identify an optax state in a plain dict (a restore without a target, or NNX's mirror of an
 # optax state): only states with a step counter, so a model dict with one module named `trace` or `nu` is never

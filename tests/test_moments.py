@@ -150,7 +150,7 @@ def test_first_moments_where_the_second_moment_cannot_scale_are_stored_exactly()
 
 
 def test_lions_first_moment_is_coded_within_the_sign_budget(tmp_path, trained):
-    """A Lion state saved with the default configuration: its `mu` comes back within `policy.SIGN_BUDGET` of the
+    """A Lion state saved with the default configuration: its `mu` comes back within `policy.NORMALIZED_BUDGET` of the
     first-moment budget (squared error against its own), where the full budget would not hold it so close."""
     state, grads, _ = trained
     lion = state.replace(tx=optax.lion(1e-4), opt_state=optax.lion(1e-4).init(state.params))
@@ -162,7 +162,7 @@ def test_lions_first_moment_is_coded_within_the_sign_budget(tmp_path, trained):
     for a, b in zip(jax.tree.leaves(r.opt_state[0].mu), jax.tree.leaves(lion.opt_state[0].mu)):
         if a.size >= cfg.min_compress_size:
             errors.append(update_error(np.asarray(a), np.asarray(b)))
-    assert errors and max(errors) <= (np.sqrt(policy.SIGN_BUDGET * cfg.effective_moment_budget) + 0.05) ** 2
+    assert errors and max(errors) <= (np.sqrt(policy.NORMALIZED_BUDGET * cfg.effective_moment_budget) + 0.05) ** 2
     # and the full budget, as Adam's mu takes it, codes the same moments more coarsely
     full = [update_error(np.asarray(first_decoded(np.asarray(b))[1]), np.asarray(b))
             for b in jax.tree.leaves(lion.opt_state[0].mu) if b.size >= cfg.min_compress_size]

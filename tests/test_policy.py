@@ -94,7 +94,7 @@ def budgets(state):
 
 
 def test_lions_first_moment_takes_the_sign_budget_wherever_its_state_is_found():
-    """Lion's `mu` (its update a sign) is coded within `SIGN_BUDGET` of the first-moment budget; Adam's `mu` and
+    """Lion's `mu` (its update a sign) is coded within `NORMALIZED_BUDGET` of the first-moment budget; Adam's `mu` and
     SGD's `trace` within all of it: as an optax state, as the plain dict a restore without a target gives, and
     as NNX's mirror of the state."""
     params = vae_params()
@@ -109,7 +109,19 @@ def test_lions_first_moment_takes_the_sign_budget_wherever_its_state_is_found():
         assert len(b) == n
         for key, factor in b.items():
             lion_mu = re.match(r"\['opt(_state)?'\](\['opt_state'\])?(\[\d+\])*(\.mu|\['mu'\])", key) is not None
-            assert factor == (policy.SIGN_BUDGET if lion_mu else 1.0), key
+            assert factor == (policy.NORMALIZED_BUDGET if lion_mu else 1.0), key
+
+
+def test_muon_and_schedule_free_states_hold_moments():
+    """Muon's `mu` (optax.contrib) is a first moment at the normalized budget; the second moment schedule-free
+    AdamW's RMS state holds is a second moment (its `z`, an iterate, stays lossless)."""
+    params = {"w": jnp.ones((64, 64)), "b": jnp.ones((64,))}
+    b = budgets({"opt_state": optax.contrib.muon(1e-3).init(params)})
+    assert b == {"['opt_state'].inner_states['muon'].inner_state[0].mu['w']": policy.NORMALIZED_BUDGET,
+                 "['opt_state'].inner_states['adam'].inner_state[0].mu['b']": 1.0}  # Muon's Adam for the rest
+    k = kinds({"params": params, "opt_state": optax.contrib.schedule_free_adamw(1e-3).init(params)})
+    assert k["['opt_state'].base_optimizer_state[0].nu['w']"] == ("quantized", "moments")
+    assert k["['opt_state'].z['w']"] == ("array", None)
 
 
 def test_a_restored_plain_tree_keeps_its_moments():
