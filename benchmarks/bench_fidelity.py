@@ -16,6 +16,8 @@ Workloads (the harness, failures and figures are those of bench_fault_tolerance.
   charlm-lion  the same transformer, data and spacing trained with Lion (peak 1e-3, weight decay 0.1): its
           one optimizer moment `mu` is the slow average (b2 = 0.99) and its update the sign of a blend of it and
           the gradient, not linear in it as Adam's and SGD momentum's are.
+  charlm-muon  the same with Muon (optax.contrib.muon, peak 0.02) on the matrices and AdamW on the rest: Muon's
+          update is the orthogonal polar factor of its momentum, a matrix sign.
   longlm  a 3-layer character transformer (1.39M parameters, context 64, batch 16), 3000 steps with cosine
           decay, a checkpoint every 100: ten restores spread over the whole run.
   lstm    a fine-tune: textgenrnn's pretrained character LSTM (462k parameters, examples/textgen.py) on Python's
@@ -111,6 +113,19 @@ class CharLMLion(ft.CharLM):
 
     def create_state(self):
         return charlm.create_state(self.vocab, self.seed, steps=self.total, peak_lr=self.PEAK_LR, optimizer="lion")
+
+
+class CharLMMuon(ft.CharLM):
+    """The 440k character transformer trained with Muon instead of AdamW (module docstring)."""
+
+    name = "charlm-muon"
+
+    def describe(self, steps):
+        return super().describe(steps).replace(
+            "AdamW 3e-3", f"Muon {charlm.MUON_LR:g} on the matrices, AdamW 3e-3 on the rest (weight decay 0.01)")
+
+    def create_state(self):
+        return charlm.create_state(self.vocab, self.seed, steps=self.total, optimizer="muon")
 
 
 class LSTMFineTune(ft.Workload):
@@ -220,7 +235,7 @@ class ViTAdamW(ScheduledMnist):
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
-WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
+WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "charlm-muon": CharLMMuon, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
              "vit": ViTAdamW}
 
 

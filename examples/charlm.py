@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import optax.contrib
 from flax import linen as nn
 from flax.training import train_state
 
@@ -68,13 +69,28 @@ class CharTransformer(nn.Module):
 
 def create_state(vocab: int, seed: int = 0, steps: int = 1000, peak_lr: float = 3e-3, d: int = 128,
                  layers: int = 2, context: int = CONTEXT, optimizer: str = "adamw") -> train_state.TrainState:
-    """AdamW (weight decay 0.01), or Lion (`optimizer="lion"`: weight decay 0.1, the 10x larger decay and
-    smaller `peak_lr` Lion's authors pair with it), with min(50, steps / 10) warm-up steps and cosine decay to
-    10% of `peak_lr` at `steps`; a `CharTransformer` of width `d`, `layers` blocks and `context` positions."""
+    """AdamW (weight decay 0.01), Lion (`optimizer="lion"`: weight decay 0.1, the 10x larger decay and smaller
+    `peak_lr` Lion's authors pair with it) or Muon (`optimizer="muon"`: optax.contrib.muon on the matrices at
+    `MUON_LR` times the schedule, AdamW at `peak_lr` on the rest, weight decay 0.01), with min(50, steps / 10)
+    warm-up steps and cosine decay to 10% of the peak at `steps`; a `CharTransformer` of width `d`, `layers`
+    blocks and `context` positions."""
     model = CharTransformer(vocab, d=d, layers=layers, context=context)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, context), jnp.int32))["params"]
     warmup = min(50, steps // 10)
     lr = optax.warmup_cosine_decay_schedule(0.0, peak_lr, warmup, steps, end_value=peak_lr * 0.1)
     return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.lion(lr, weight_decay=0.1) if optimizer == "lion" else
-                                         optax.adamw(lr, weight_decay=0.01))
+                                         tx=_optimizer(optimizer, lr, peak_lr))
+
+
+MUON_LR = 0.02  # Muon's usual peak learning rate on matrices
+
+
+def _optimizer(name: str, lr, peak_lr: float) -> optax.GradientTransformation:
+    if name == "lion":
+        return optax.lion(lr, weight_decay=0.1)
+    if name == "muon":
+        return optax.contrib.muon(lambda t: lr(t) * (MUON_LR / peak_lr), weight_decay=0.01, adam_learning_rate=lr,
+                                  adam_weight_decay=0.01)
+    if name != "adamw":
+        raise ValueError(f"optimizer {name!r}: one of 'adamw', 'lion', 'muon'")
+    return optax.adamw(lr, weight_decay=0.01)
