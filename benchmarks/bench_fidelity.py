@@ -18,6 +18,8 @@ Workloads (the harness, failures and figures are those of bench_fault_tolerance.
           the gradient, not linear in it as Adam's and SGD momentum's are.
   charlm-muon  the same with Muon (optax.contrib.muon, peak 0.02) on the matrices and AdamW on the rest: Muon's
           update is the orthogonal polar factor of its momentum, a matrix sign.
+  charlm-schedule-free  the same with schedule-free AdamW (3e-3, 50 warm-up steps): its state holds `z`, an
+          iterate of the parameters' shape.
   longlm  a 3-layer character transformer (1.39M parameters, context 64, batch 16), 3000 steps with cosine
           decay, a checkpoint every 100: ten restores spread over the whole run.
   lstm    a fine-tune: textgenrnn's pretrained character LSTM (462k parameters, examples/textgen.py) on Python's
@@ -128,6 +130,20 @@ class CharLMMuon(ft.CharLM):
         return charlm.create_state(self.vocab, self.seed, steps=self.total, optimizer="muon")
 
 
+class CharLMScheduleFree(ft.CharLM):
+    """The 440k character transformer trained with schedule-free AdamW (module docstring)."""
+
+    name = "charlm-schedule-free"
+
+    def describe(self, steps):
+        return super().describe(steps).replace(
+            "AdamW 3e-3 with cosine decay", "schedule-free AdamW 3e-3 (50 warm-up steps, weight decay 0.01; quality "
+            "and eval_fn at the parameters, the point gradients are taken at)")
+
+    def create_state(self):
+        return charlm.create_state(self.vocab, self.seed, steps=self.total, optimizer="schedule-free")
+
+
 class LSTMFineTune(ft.Workload):
     """Fine-tuning a pretrained character LSTM on text of another domain (module docstring)."""
 
@@ -235,7 +251,7 @@ class ViTAdamW(ScheduledMnist):
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
-WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "charlm-muon": CharLMMuon, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
+WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "charlm-muon": CharLMMuon, "charlm-schedule-free": CharLMScheduleFree, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
              "vit": ViTAdamW}
 
 

@@ -72,8 +72,10 @@ def create_state(vocab: int, seed: int = 0, steps: int = 1000, peak_lr: float = 
     """AdamW (weight decay 0.01), Lion (`optimizer="lion"`: weight decay 0.1, the 10x larger decay and smaller
     `peak_lr` Lion's authors pair with it) or Muon (`optimizer="muon"`: optax.contrib.muon on the matrices at
     `MUON_LR` times the schedule, AdamW at `peak_lr` on the rest, weight decay 0.01), with min(50, steps / 10)
-    warm-up steps and cosine decay to 10% of the peak at `steps`; a `CharTransformer` of width `d`, `layers`
-    blocks and `context` positions."""
+    warm-up steps and cosine decay to 10% of the peak at `steps`, or schedule-free AdamW
+    (`optimizer="schedule-free"`: `peak_lr` after 50 warm-up steps, no decay; its parameters are the point
+    gradients are taken at, not its average); a `CharTransformer` of width `d`, `layers` blocks and `context`
+    positions."""
     model = CharTransformer(vocab, d=d, layers=layers, context=context)
     params = model.init(jax.random.PRNGKey(seed), jnp.zeros((1, context), jnp.int32))["params"]
     warmup = min(50, steps // 10)
@@ -91,6 +93,8 @@ def _optimizer(name: str, lr, peak_lr: float) -> optax.GradientTransformation:
     if name == "muon":
         return optax.contrib.muon(lambda t: lr(t) * (MUON_LR / peak_lr), weight_decay=0.01, adam_learning_rate=lr,
                                   adam_weight_decay=0.01)
+    if name == "schedule-free":
+        return optax.contrib.schedule_free_adamw(peak_lr, warmup_steps=50, weight_decay=0.01)
     if name != "adamw":
-        raise ValueError(f"optimizer {name!r}: one of 'adamw', 'lion', 'muon'")
+        raise ValueError(f"optimizer {name!r}: one of 'adamw', 'lion', 'muon', 'schedule-free'")
     return optax.adamw(lr, weight_decay=0.01)

@@ -6,8 +6,9 @@ policy ("quantize", "lossless" or "drop"). The structure that decides it:
 
 - **optax states**: a leaf under a field of an optax state NamedTuple is optimizer state; the field's role comes
   from `MOMENT_FIELDS` (e.g. `ScaleByAdamState.mu` is a first moment, `ScaleByAmsgradState.nu_max` a second
-  one). Any other leaf inside an optax state (a schedule's `count`, `inject_hyperparams`' values) is optimizer
-  state stored losslessly.
+  one). A field of `ITERATE_FIELDS` (schedule-free's `z`, an iterate of the parameters) is quantized as
+  parameters are. Any other leaf inside an optax state (a schedule's `count`, `inject_hyperparams`' values) is
+  optimizer state stored losslessly.
 - **NNX**: a leaf of an `nnx.Param` is a parameter; of an optimizer variable (`nnx.optimizer.OptState`: what
   `nnx.state(nnx.Optimizer(...))` holds) optimizer state, whose role is the field of the optax state it mirrors
   (the first field name on its path inside the optimizer state); of any other variable (`nnx.BatchStat`,
@@ -67,16 +68,20 @@ MOMENT_FIELDS: dict[type, dict[str, str]] = {
 # to +7.0% over three seeds with Lion and +1.8% to +4.5% with Muon (benchmarks/results/optimizers_full_budget.md),
 # at this fraction by -0.8% to -1.1% and -0.7% to +2.0% (optimizers.md); 10 restores of a character transformer
 # trained with Lion moved its loss by -9.0%, 4.8x its seed-to-seed noise, at the full budget, where the settings
-# that stay near exact ended within +0.5% to +0.7% (benchmarks/results/fidelity_charlm-lion.md).
+# that stay near exact ended within +0.5% to +0.7% (benchmarks/results/fidelity_charlm-lion_previous.md, then
+# fidelity_charlm-lion.md at this fraction).
 NORMALIZED_BUDGET = 0.1
 # Per optax state type: field -> the factor of the first-moment budget its moment is coded within (1 if absent).
 MOMENT_BUDGETS: dict[type, dict[str, float]] = {optax.ScaleByLionState: {"mu": NORMALIZED_BUDGET}}
+# Per optax state type: the fields that hold iterates of the parameters' shape (schedule-free's `z`, the
+# sequence its parameters interpolate): optimizer state quantized as parameters are (closed loop), not exactly.
+ITERATE_FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _unexported_states() -> None:
-    """Add to `MOMENT_FIELDS` (and `MOMENT_BUDGETS`) the states optax does not export at its top level, where the
-    installed optax has them: Muon's (optax.contrib) and RMSProp's with a bias-correction counter (what
-    schedule-free AdamW wraps)."""
+    """Add to `MOMENT_FIELDS`, `MOMENT_BUDGETS` and `ITERATE_FIELDS` the states optax does not export at its top
+    level, where the installed optax has them: Muon's and schedule-free AdamW's (optax.contrib), and RMSProp's
+    with a bias-correction counter (what schedule-free AdamW wraps)."""
     import importlib  # noqa: PLC0415
 
     def find(module: str, name: str):
@@ -86,11 +91,15 @@ def _unexported_states() -> None:
             return None
 
     muon, rms = find("optax.contrib", "MuonState"), find("optax._src.transform", "ScaleByRmsWithCountState")
+    free = find("optax.contrib", "ScheduleFreeState")
     if muon is not None:
         MOMENT_FIELDS[muon] = {"mu": FIRST}
         MOMENT_BUDGETS[muon] = {"mu": NORMALIZED_BUDGET}
     if rms is not None:
         MOMENT_FIELDS[rms] = {"nu": SECOND}
+    if free is not None:
+        ITERATE_FIELDS[free] = ("z",)
+
 
 
 _unexported_states()
@@ -162,7 +171,9 @@ def _structure(tree, prefix: tuple = (), ctx: tuple[LeafPolicy, int] | None = No
             for name in (node._fields if is_tuple else tuple(node)):
                 key = jax.tree_util.GetAttrKey(name) if is_tuple else jax.tree_util.DictKey(name)
                 child = getattr(node, name) if is_tuple else node[name]
-                role = LeafPolicy("optimizer", "lossless", fields.get(name), name == COUNTER and bool(fields), group,
+                iterate = name in ITERATE_FIELDS.get(kind, ())
+                role = LeafPolicy("optimizer", "quantize" if iterate else "lossless", fields.get(name),
+                                  name == COUNTER and bool(fields), group,
                                   budget=MOMENT_BUDGETS.get(kind, {}).get(name, 1.0))
                 out.update(_structure(child, full + (key,), (role, len(full) + 1)))
         elif isinstance(node, nnx.Variable):

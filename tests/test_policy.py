@@ -114,13 +114,18 @@ def test_lions_first_moment_takes_the_sign_budget_wherever_its_state_is_found():
 
 def test_muon_and_schedule_free_states_hold_moments():
     """Muon's `mu` (optax.contrib) is a first moment at the normalized budget; the second moment schedule-free
-    AdamW's RMS state holds is a second moment (its `z`, an iterate, stays lossless)."""
+    AdamW's RMS state holds is a second moment, and its `z` (an iterate) is quantized as parameters are, unless
+    a rule says otherwise."""
     params = {"w": jnp.ones((64, 64)), "b": jnp.ones((64,))}
     b = budgets({"opt_state": optax.contrib.muon(1e-3).init(params)})
     assert b == {"['opt_state'].inner_states['muon'].inner_state[0].mu['w']": policy.NORMALIZED_BUDGET,
                  "['opt_state'].inner_states['adam'].inner_state[0].mu['b']": 1.0}  # Muon's Adam for the rest
     k = kinds({"params": params, "opt_state": optax.contrib.schedule_free_adamw(1e-3).init(params)})
     assert k["['opt_state'].base_optimizer_state[0].nu['w']"] == ("quantized", "moments")
+    assert k["['opt_state'].z['w']"] == ("quantized", "weights")
+    assert k["['opt_state'].z['b']"] == ("array", None)  # 1-D: stored exactly, as a parameter's bias is
+    k = kinds({"params": params, "opt_state": optax.contrib.schedule_free_adamw(1e-3).init(params)},
+              policy_rules=((r"\.z\[", "lossless"),))
     assert k["['opt_state'].z['w']"] == ("array", None)
 
 
