@@ -766,11 +766,12 @@ def _huffman_lengths(weights: np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1024)
-def _prefix_code(k: int, frequencies: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _prefix_code(k: int, frequencies: tuple) -> tuple[np.ndarray, ...]:
     """The canonical code of the bytes of `_radix_digits(k)` ranks below `k` whose ranks have `frequencies`
     (each byte's weight: the product of its ranks'): (each byte's code length, each byte's code (uint64, right
-    aligned), and for decoding: the codewords' left-aligned 64-bit starts ascending, the byte of each). Weights
-    whose Huffman code would be longer than `_PREFIX_LONGEST` bits are halved (at least 1) until it is not."""
+    aligned), and for decoding: the codewords' left-aligned 64-bit starts ascending, the byte of each and the
+    length of each). Weights whose Huffman code would be longer than `_PREFIX_LONGEST` bits are halved (at least
+    1) until it is not."""
     per = _radix_digits(k)
     b = np.arange(k ** per)
     weights = np.ones(b.size, np.int64)
@@ -786,9 +787,10 @@ def _prefix_code(k: int, frequencies: tuple) -> tuple[np.ndarray, np.ndarray, np
     starts = np.concatenate([np.zeros(1, np.uint64), np.cumsum(steps[:-1], dtype=np.uint64)])
     codes = np.empty(b.size, np.uint64)
     codes[order] = starts >> (np.uint64(64) - lengths[order].astype(np.uint64))
-    for a in (lengths, codes, starts, order):
+    out = (lengths, codes, starts, order.astype(np.uint8), lengths[order])
+    for a in out:
         a.flags.writeable = False
-    return lengths, codes, starts, order.astype(np.uint8)
+    return out
 
 
 def _bits_of(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
@@ -856,7 +858,7 @@ def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, 
     f.append((1 << p) - sum(f))
     if min(f) < 1:
         raise CodecError(f"prefix stream's model {f} is not {k} frequencies of at least 1 summing to 2**{p}")
-    lengths, _, starts, order = _prefix_code(k, tuple(f))
+    _, _, starts, order, widths = _prefix_code(k, tuple(f))
     padded = np.zeros(body.size + 8, np.uint8)
     padded[:body.size] = body
     # The 8 bytes from each byte offset as one big-endian word (overlapping items of stride 1, read in one pass),
@@ -864,7 +866,7 @@ def _prefix_packed(blob: bytes, size: int, slots: int = 0) -> tuple[np.ndarray, 
     words = np.ndarray((body.size,), ">u8", padded, 0, (1,)).astype(np.uint64)
     windows = (words[:, None] << _BIT_SHIFTS).reshape(-1)[start:]
     found = np.searchsorted(starts, windows, side="right") - 1
-    width = lengths[order][found]
+    width = widths[found]
     rel = nbits - start  # offsets from the model's end; an offset past the end jumps to the end
     jump = np.empty(rel + 1, np.int64)
     np.minimum(np.arange(rel) + width, rel, out=jump[:rel])
