@@ -104,44 +104,35 @@ class LongLM(ft.CharLM):
         return charlm.windows(self.train, starts, self.CONTEXT)
 
 
-class CharLMLion(ft.CharLM):
-    """The 440k character transformer trained with Lion instead of AdamW (module docstring)."""
+class CharLMOptimizer(ft.CharLM):
+    """The 440k character transformer trained with another optimizer (`charlm.create_state`'s `optimizer`, at
+    `PEAK_LR`), described by replacing `REPLACE` in CharLM's description with `TEXT` (module docstring)."""
 
-    name = "charlm-lion"
-    PEAK_LR = 1e-3
-
-    def describe(self, steps):
-        return super().describe(steps).replace("AdamW 3e-3", f"Lion {self.PEAK_LR:g} (weight decay 0.1)")
-
-    def create_state(self):
-        return charlm.create_state(self.vocab, self.seed, steps=self.total, peak_lr=self.PEAK_LR, optimizer="lion")
-
-
-class CharLMMuon(ft.CharLM):
-    """The 440k character transformer trained with Muon instead of AdamW (module docstring)."""
-
-    name = "charlm-muon"
+    OPTIMIZER, PEAK_LR, REPLACE, TEXT = "adamw", 3e-3, "", ""
 
     def describe(self, steps):
-        return super().describe(steps).replace(
-            "AdamW 3e-3", f"Muon {charlm.MUON_LR:g} on the matrices, AdamW 3e-3 on the rest (weight decay 0.01)")
+        return super().describe(steps).replace(self.REPLACE, self.TEXT)
 
     def create_state(self):
-        return charlm.create_state(self.vocab, self.seed, steps=self.total, optimizer="muon")
+        return charlm.create_state(self.vocab, self.seed, steps=self.total, peak_lr=self.PEAK_LR,
+                                   optimizer=self.OPTIMIZER)
 
 
-class CharLMScheduleFree(ft.CharLM):
-    """The 440k character transformer trained with schedule-free AdamW (module docstring)."""
+class CharLMLion(CharLMOptimizer):
+    name, OPTIMIZER, PEAK_LR = "charlm-lion", "lion", 1e-3
+    REPLACE, TEXT = "AdamW 3e-3", "Lion 0.001 (weight decay 0.1)"
 
-    name = "charlm-schedule-free"
 
-    def describe(self, steps):
-        return super().describe(steps).replace(
-            "AdamW 3e-3 with cosine decay", "schedule-free AdamW 3e-3 (50 warm-up steps, weight decay 0.01; quality "
-            "and eval_fn at the parameters, the point gradients are taken at)")
+class CharLMMuon(CharLMOptimizer):
+    name, OPTIMIZER = "charlm-muon", "muon"
+    REPLACE, TEXT = "AdamW 3e-3", f"Muon {charlm.MUON_LR:g} on the matrices, AdamW 3e-3 on the rest (weight decay 0.01)"
 
-    def create_state(self):
-        return charlm.create_state(self.vocab, self.seed, steps=self.total, optimizer="schedule-free")
+
+class CharLMScheduleFree(CharLMOptimizer):
+    name, OPTIMIZER = "charlm-schedule-free", "schedule-free"
+    REPLACE = "AdamW 3e-3 with cosine decay"
+    TEXT = ("schedule-free AdamW 3e-3 (50 warm-up steps, weight decay 0.01; quality and eval_fn at the parameters, "
+            "the point gradients are taken at)")
 
 
 class LSTMFineTune(ft.Workload):
@@ -251,7 +242,8 @@ class ViTAdamW(ScheduledMnist):
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
-WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "charlm-muon": CharLMMuon, "charlm-schedule-free": CharLMScheduleFree, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
+WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "charlm-muon": CharLMMuon,
+             "charlm-schedule-free": CharLMScheduleFree, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
              "vit": ViTAdamW}
 
 
