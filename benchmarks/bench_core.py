@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +23,7 @@ import report  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def best_of(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(report.call_seconds(fn, repeats))
 
 
 def main(argv=None):

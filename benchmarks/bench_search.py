@@ -39,12 +39,7 @@ import report  # noqa: E402
 
 def timed(fn, n):
     """Median seconds of n calls of fn (results blocked on)."""
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return statistics.median(report.call_seconds(fn, n, warm_up=False))
 
 
 def calibrate(state, ema, eval_fn, cfg, epsilon):

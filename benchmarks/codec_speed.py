@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -34,13 +33,7 @@ SIZES = (64, 1024, 4096, 8192, 16_384, 65_535)
 
 
 def median_us(f, repeats: int = 21) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return statistics.median(report.call_seconds(f, repeats)) * 1e6
 
 
 def decode(blob, which, n):

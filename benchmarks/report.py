@@ -1,7 +1,10 @@
 """Shared by the benchmark scripts: print a markdown result table and optionally keep it in a file; sizes of
-files on disk."""
+files on disk; timings of repeated calls."""
 
 import os
+import time
+
+import jax
 
 
 def emit(lines: list[str], out: str | None) -> None:
@@ -19,3 +22,16 @@ def files(root: str) -> dict[str, int]:
 
 def dir_bytes(path: str) -> int:
     return sum(files(path).values())
+
+
+def call_seconds(fn, repeats: int, warm_up: bool = True) -> list[float]:
+    """Wall seconds of each of `repeats` calls of `fn` (its result blocked on, for JAX's async dispatch), after
+    one untimed call if `warm_up` (compiles and first touches left out)."""
+    if warm_up:
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return times
