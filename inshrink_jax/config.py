@@ -263,7 +263,8 @@ class CompressionConfig:
         cells of a uniform quantizer of its ratio to the square root of its second moment whose squared error is
         at most this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore
         gives it (in [0, 1]; 0: the cells of least error); Lion's and Muon's `mu`, whose updates are
-        normalized (a sign, an orthogonalized matrix), within a tenth of it (`policy.NORMALIZED_BUDGET`). Smaller: finer cells, more bytes. The error fades within
+        normalized (a sign, an orthogonalized matrix), within a tenth of it (`policy.NORMALIZED_BUDGET`).
+        Smaller: finer cells, more bytes. The error fades within
         ~1 / (1 - b1) steps of a restore. None (the default): `MOMENT_PER_EPSILON` (30) times `epsilon`, at
         most 1: 0.3 at the default epsilon, an update off by about 55% in norm for a few steps after a restore
         (docs/how-it-works.md, "How many levels", has the measurements; docs/results.md what 0.1, 0.3 and 0.5 did

@@ -30,9 +30,9 @@ whatever nu's own error (mu' / sqrt(nu_hat) = r'), and a mu that is tiny where n
 row, an input that is seldom on) is never blown up to a level of the tensor's larger values: coded on its own in
 the log domain, 2 levels a sign gave a fine-tuned LSTM's update a squared error 17x its own
 (benchmarks/results/moment_error_lstm.md). A first moment without a second moment of its shape beside it (SGD
-momentum's `trace`, Lion's `mu`) is coded the same way with sqrt(nu_hat) = 1: SGD's update is linear in it;
-Lion's is the sign of a blend of it and the gradient, and its `mu` the slow average, so Lion's is coded within a
-tenth of the budget (`policy.NORMALIZED_BUDGET`).
+momentum's `trace`, Lion's and Muon's `mu`) is coded the same way with sqrt(nu_hat) = 1: SGD's update is linear
+in it; Lion's is the sign of a blend of it and the gradient (and its `mu` the slow average), Muon's the orthogonal
+polar factor of its momentum, so theirs are coded within a tenth of the budget (`policy.NORMALIZED_BUDGET`).
 The ratio is quantized uniformly with its cells' means as levels (an entropy-coded uniform quantizer: at the same
 squared error it takes about 10% fewer bits than k-means levels, and 16-22% fewer at the same budget;
 benchmarks/results/moment_error.md): cells of
@@ -232,7 +232,7 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
         closed-loop residual, whose pruned entries keep the weight's previous value: passed anyway, so a
         residual save runs the kernels a keyframe compiled.
       budgets: for each, the factor of `effective_moment_budget` it is coded within (None: 1 for all; Lion's
-        `mu` takes `policy.NORMALIZED_BUDGET`).
+        and Muon's `mu` take `policy.NORMALIZED_BUDGET`).
 
     Returns:
       One `DeviceCodes` per moment: `centres` the cells' levels in `FIRST_CAPACITY` slots (the first `bins`

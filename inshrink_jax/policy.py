@@ -101,7 +101,6 @@ def _unexported_states() -> None:
         ITERATE_FIELDS[free] = ("z",)
 
 
-
 _unexported_states()
 COUNTER = "count"
 # Field sets that identify an optax state in a plain dict (a restore without a target, or NNX's mirror of an

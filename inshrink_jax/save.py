@@ -169,7 +169,8 @@ def plan(state, grads, labels, cfg: CompressionConfig, base=None) -> Plan:
     second_of = {chained[k]: j for j, k in zip(seconds, _owners(flat, chained, seconds, policies)) if k is not None}
     return Plan([x for _, x in flat], treedef, recs, weights, moment_idx,
                 _owners(flat, weights, moment_idx, policies), [policies[i].moment == policy.FIRST for i in moment_idx],
-                [policies[i].budget for i in moment_idx], [scales[i] for i in moment_idx], [_mirrored(flat[i][0], by_path) for i in weights], base_of,
+                [policies[i].budget for i in moment_idx], [scales[i] for i in moment_idx],
+                [_mirrored(flat[i][0], by_path) for i in weights], base_of,
                 small, [_mirrored(flat[i][0], by_path) for i in small], records.empty_containers(state),
                 grads is not None, second_of)
 

@@ -93,7 +93,7 @@ def budgets(state):
     return {plan.records[i].keystr: b for i, b, first in zip(plan.moments, plan.budgets, plan.first) if first}
 
 
-def test_lions_first_moment_takes_the_sign_budget_wherever_its_state_is_found():
+def test_lions_first_moment_takes_the_normalized_budget_wherever_its_state_is_found():
     """Lion's `mu` (its update a sign) is coded within `NORMALIZED_BUDGET` of the first-moment budget; Adam's `mu` and
     SGD's `trace` within all of it: as an optax state, as the plain dict a restore without a target gives, and
     as NNX's mirror of the state."""
