@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +38,7 @@ from inshrink_jax.config import QuantConfig  # noqa: E402
 
 def best(f, repeats: int = 3) -> float:
     """Seconds of the fastest of `repeats` calls of `f` (its result waited for), after one warm-up call."""
-    jax.block_until_ready(f())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f())
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(report.call_seconds(f, repeats))
 
 
 def main(argv=None):
