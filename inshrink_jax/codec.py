@@ -65,6 +65,17 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 transformer's code streams: 1.093x their order-0 entropy in format 14;
                 benchmarks/results/save_breakdown_vit.md has this format's figure). Its decoder finds every
                 codeword at once (`_prefix_packed`), so a stream costs NumPy passes, not a loop per value.
+  "mode"        for uint8 streams of which one value (the mode) is at least half (a first moment's codes: most of
+                a tensor in its central cell), offered from `_MODE_FROM` to `_PACKED_ONLY_SIZE` values: one byte m
+                (the mode), one byte 16 a + b (a, b: the indices in `_MODE_MASK_CODECS` and `_MODE_REST_CODECS` of
+                the two parts' codecs), the mask part's length (little-endian uint32), the mask: a stream of `size`
+                values, 1 where the value is not m and 0 where it is, coded by the best of `_MODE_MASK_CODECS`
+                ("ranks": 8 a byte; "zstd-runs": the gaps between the 1s, for a sparse mask), then the other
+                values in order, coded by the best of `_MODE_REST_CODECS`. Packed several to a
+                byte, a peaked stream's bytes still take whole bits of zstd's Huffman literals: where the mode is
+                80-90% of the stream, "ranks" and "zstd-escape" stored a ResNet's first moments at 1.10x their
+                order-0 entropy; split into the mask (bytes of eight values, near the entropy) and the rest, they
+                come within a few percent of it (the order-0 entropy is the mask's plus the rest's).
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
@@ -88,6 +99,7 @@ ZSTD_RUNS = "zstd-runs"
 ZSTD_ESCAPE = "zstd-escape"
 RANKS = "ranks"
 PREFIX = "prefix"
+MODE = "mode"
 RAW = "raw"
 PACKED_CODECS = (RANKS, PREFIX, ZSTD_RADIX, ZSTD_RANK)  # streams of several codes a byte: `packed_values` reads them packed
 _RANKS_ZSTD = 0x80  # flag in a "ranks" stream's first byte: its packed ranks are one zstandard frame
@@ -105,7 +117,7 @@ DEFAULT_LEVEL = 3
 # format 13's at 1cc8e16). The codec choice takes a real trace's rearranged deltas from
 # 1.73x (plain zstd) to 1.02x H0 (benchmarks/results/delta.md). A reader needs nothing of this: the frames are plain
 # zstandard.
-CODE_CODECS = (ZSTD, ZSTD_RUNS, RANKS, PREFIX, ZSTD_ESCAPE)
+CODE_CODECS = (ZSTD, ZSTD_RUNS, RANKS, PREFIX, ZSTD_ESCAPE, MODE)
 CODE_LEVEL = "codes"
 CODE_PARAMS = zstandard.ZstdCompressionParameters(window_log=17, chain_log=6, hash_log=6, search_log=1, min_match=7,
                                                   target_length=0, strategy=zstandard.STRATEGY_FAST,
@@ -179,6 +191,16 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
         if framed is not None and len(framed) < packed.size:
             return bytes([alphabet.size | _RANKS_ZSTD]) + alphabet.tobytes() + framed
         return head + packed.tobytes()
+    elif codec == MODE:
+        arr = _bytes_view(data)
+        if counts is None:
+            counts = byte_counts(arr)
+        m = int(np.argmax(counts))
+        other = arr != m
+        mask, mask_codec = compress_best(other.view(np.uint8), _MODE_MASK_CODECS[1:], level)
+        rest, rest_codec = compress_best(arr[other], _MODE_REST_CODECS[1:], level)
+        return (bytes([m, _MODE_MASK_CODECS.index(mask_codec) << 4 | _MODE_REST_CODECS.index(rest_codec)])
+                + np.array([len(mask)], "<u4").tobytes() + mask + rest)
     elif codec == ZSTD_ESCAPE:
         arr = _bytes_view(data)
         if counts is None:
@@ -195,7 +217,7 @@ def compress(data: bytes | np.ndarray, codec: str = ZSTD, level: int | str = DEF
     else:
         raise ValueError(f"unknown codec {codec!r}; known: {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
                          f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}, "
-                         f"{PREFIX!r}")
+                         f"{PREFIX!r}, {MODE!r}")
     return _compressor(level).compress(buf)
 
 
@@ -271,6 +293,15 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 _RUN_VALUE_CODECS = (RAW, ZSTD, ZSTD_RADIX, ZSTD_RANK)  # "zstd-runs": its values' codec byte indexes this
 _RADIX_MAX = 16  # the largest base that still packs two values to a byte
+# "mode": the low 4 bits of its codec byte index the other values' codec (any code codec but "mode" itself), the
+# high 4 bits the mask's. Offered to streams of `_MODE_FROM` values or more (below, "prefix" codes a stream of few
+# values and its header costs less than the mask's frame) and fewer than `_PACKED_ONLY_SIZE` whose mode is at least
+# half of them. Not to larger ones: gathering the other values costs several times a packing pass (ad hoc, 25M
+# values: 0.1-0.2 s against 0.03 s), and a closed-loop chain's link of 8M values or more is added from its packed
+# bytes on restore (quantize.takes_packed), which a "mode" stream does not have.
+_MODE_REST_CODECS = (RAW, ZSTD, ZSTD_RUNS, RANKS, PREFIX, ZSTD_ESCAPE)
+_MODE_MASK_CODECS = (RAW, RANKS, ZSTD_RUNS)  # its mask's: packed 8 to a byte, or the gaps between the other values
+_MODE_FROM = 1 << 12
 
 
 def _radix_digits(base: int) -> int:
@@ -288,7 +319,7 @@ def compress_best(data: np.ndarray, codecs: str | tuple[str, ...], level: int | 
     raw = _bytes_view(data)
     best: tuple[bytes | None, str, int] = (None, RAW, raw.size)
     codecs = (codecs,) if isinstance(codecs, str) else codecs
-    if counts is None and set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_ESCAPE, *PACKED_CODECS}:
+    if counts is None and set(codecs) & {ZSTD_RLE, ZSTD_RUNS, ZSTD_ESCAPE, MODE, *PACKED_CODECS}:
         counts = byte_counts(raw)
     packs = counts is not None and raw.size >= _PACKED_ONLY_SIZE and any(
         c in codecs and _can_win(c, counts) for c in PACKED_CODECS)
@@ -344,6 +375,9 @@ def _can_win(codec: str, counts: np.ndarray | None) -> bool:
         # others rare: at 1/8 of the stream their bytes alone cost a bit a value (near-uniform levels: no pass)
         kept = np.sort(counts)[::-1][:_ESCAPE_KEEP].sum()
         return np.count_nonzero(counts) > _ESCAPE_KEEP and 8 * (int(counts.sum()) - int(kept)) <= int(counts.sum())
+    if codec == MODE:  # a mode of at least half: its mask then costs at most a bit a value, and the rest less
+        total = int(counts.sum())
+        return _MODE_FROM <= total < _PACKED_ONLY_SIZE and 2 * int(counts.max()) >= total
     if codec == RANKS:
         return 0 < np.count_nonzero(counts) <= _RADIX_MAX
     if codec == PREFIX:
@@ -370,10 +404,10 @@ def decompress(blob: bytes, codec: str, size: int, itemsize: int = 1) -> bytes:
 def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
     """`decompress` as a flat uint8 array (possibly read-only, possibly a view of the decoder's own buffer)."""
     if codec not in (RAW, ZSTD, ZSTD_PLANES, ZSTD_RLE, ZSTD_RUNS, ZSTD_PACKED, ZSTD_RADIX, ZSTD_RANK, ZSTD_ESCAPE,
-                     RANKS, PREFIX):
+                     RANKS, PREFIX, MODE):
         raise CodecError(f"unknown codec {codec!r}; known: {RAW!r}, {ZSTD!r}, {ZSTD_PLANES!r}, {ZSTD_RLE!r}, "
                          f"{ZSTD_RUNS!r}, {ZSTD_PACKED!r}, {ZSTD_RADIX!r}, {ZSTD_RANK!r}, {ZSTD_ESCAPE!r}, {RANKS!r}, "
-                         f"{PREFIX!r}")
+                         f"{PREFIX!r}, {MODE!r}")
     if codec == RAW:
         out = np.frombuffer(blob, np.uint8)
     elif codec in (ZSTD_RLE, ZSTD_RUNS):
@@ -386,6 +420,8 @@ def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
         out = _decompress_rank(blob, size)
     elif codec == ZSTD_ESCAPE:
         out = _decompress_escape(blob, size)
+    elif codec == MODE:
+        out = _decompress_mode(blob, size)
     elif codec in (RANKS, PREFIX):
         packed, base, alphabet = (_ranks_packed if codec == RANKS else _prefix_packed)(blob, size)
         out = _unpack(packed, base, size, alphabet)
@@ -912,6 +948,22 @@ def _decompress_escape(blob: bytes, size: int) -> np.ndarray:
         raise CodecError(f"zstd-escape holds {rest.size} other values for {escaped.size if rest.size else 'some'} "
                          "escapes")
     out[escaped] = rest
+    return out
+
+
+def _decompress_mode(blob: bytes, size: int) -> np.ndarray:
+    if len(blob) < 6 or blob[1] >> 4 >= len(_MODE_MASK_CODECS) or blob[1] & 15 >= len(_MODE_REST_CODECS):
+        raise CodecError("mode stream has no valid mode, codec byte and mask length")
+    m, n = blob[0], int(np.frombuffer(blob[2:6], "<u4")[0])
+    if n > len(blob) - 6:
+        raise CodecError(f"mode stream states a mask of {n} bytes, the stream has fewer")
+    other = _decode(blob[6:6 + n], _MODE_MASK_CODECS[blob[1] >> 4], size)
+    if other.size and int(other.max()) > 1:
+        raise CodecError(f"mode stream's mask holds {int(other.max())}, not 0 or 1")
+    other = other.view(bool)
+    values = _decode(blob[6 + n:], _MODE_REST_CODECS[blob[1] & 15], int(np.count_nonzero(other)))
+    out = np.full(size, m, np.uint8)
+    out[other] = values
     return out
 
 

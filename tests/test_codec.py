@@ -107,7 +107,7 @@ def test_a_packed_stream_with_a_bad_width_is_refused():
 
 @pytest.mark.parametrize("which", [codec.ZSTD, codec.ZSTD_RLE, codec.ZSTD_RUNS, codec.ZSTD_PLANES,
                                    codec.ZSTD_PACKED, codec.ZSTD_RADIX, codec.ZSTD_RANK, codec.ZSTD_ESCAPE,
-                                   codec.RANKS])
+                                   codec.RANKS, codec.MODE])
 def test_a_stream_of_another_size_is_refused_before_allocating(which):
     # As bytes, and as the restore takes it: a read-only array starting at a multiple of 64 bytes (JAX's CPU client
     # uses it in place).
@@ -141,12 +141,12 @@ def test_runs_and_ranks_round_trip(n, density, distinct, seed):
 @pytest.mark.parametrize("p0", [0.6, 0.9, 0.97])
 def test_a_delta_stream_is_coded_within_5_percent_of_its_entropy(p0):
     """Open-loop level deltas: 0, +1 and -1 modulo the modulus (here 32). Run lengths with radix-packed values
-    (mostly zeros) or ranks radix-packed (denser) reach the order-0 bound within 5%; zstd-rle took 1.11x at 97%
-    zeros, plain zstd 2x."""
+    (mostly zeros), ranks radix-packed (denser) or a mask of the zeros and the rest ("mode") reach the order-0 bound
+    within 5%; zstd-rle took 1.11x at 97% zeros, plain zstd 2x."""
     rng = np.random.default_rng(0)
     a = rng.choice(np.array([0, 1, 31], np.uint8), size=200_000, p=[p0, (1 - p0) / 2, (1 - p0) / 2])
     blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
-    assert used in (codec.ZSTD_RUNS, codec.RANKS)
+    assert used in (codec.ZSTD_RUNS, codec.RANKS, codec.MODE)
     assert len(blob) <= 1.05 * codec.order0_entropy_bytes(a)
     assert codec.decompress(blob, used, a.size) == a.tobytes()
 
@@ -238,7 +238,7 @@ def test_many_cell_codes_with_a_rare_tail_cost_about_what_five_cells_do(step):
     five = np.clip(a, 30, 34)
     assert np.unique(a).size > 5
     blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
-    assert used == codec.ZSTD_ESCAPE
+    assert used in (codec.ZSTD_ESCAPE, codec.MODE)  # "mode" where the central cell is half the stream
     clipped = len(codec.compress_best(five, codec.CODE_CODECS, codec.CODE_LEVEL)[0])
     assert len(blob) <= 1.04 * clipped, (len(blob), clipped)
     assert len(codec.compress(a, codec.ZSTD, codec.CODE_LEVEL)) > 1.3 * codec.order0_entropy_bytes(a)
@@ -535,3 +535,78 @@ def test_prefix_code_lengths_are_optimal_and_complete(weights):
     assert int((lengths * w).sum()) == best
     top = int(lengths.max())
     assert sum(1 << (top - int(n)) for n in lengths) == 1 << top
+
+
+@hypothesis.given(st.integers(0, 5000), st.integers(1, 40), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1),
+                  st.booleans())
+def test_mode_streams_round_trip(n, distinct, others, seed, small):
+    """"mode": any uint8 stream, its mode a small or large share, the other values few (coded as ranks) or many
+    (zstd, zstd-escape), none at all, or the mode's own value among them."""
+    rng = np.random.default_rng(seed)
+    alphabet = rng.choice(256, size=distinct, replace=False).astype(np.uint8)
+    p = np.where(np.arange(distinct) == 0, 1.0, others / max(distinct - 1, 1))
+    a = rng.choice(alphabet, size=n, p=p / p.sum()).astype(np.uint8)
+    if small:
+        a = a[:64]
+    blob = codec.compress(a, codec.MODE, codec.CODE_LEVEL)
+    np.testing.assert_array_equal(codec.decompress_array(blob, codec.MODE, a.size), a)
+
+
+@pytest.mark.parametrize("p0,ranks_over", [(0.75, 1.03), (0.85, 1.1), (0.93, 1.4)])
+def test_a_peaked_stream_is_coded_by_mode_within_6_percent_of_its_entropy(p0, ranks_over):
+    """Codes of a first moment's uniform cells, most of them in the central one: packed several to a byte, their
+    bytes still cost zstd's Huffman literals whole bits ("ranks" over the order-0 entropy by more the more peaked
+    the stream); "mode" codes the mask and the rest each near its own entropy, whose sum is the stream's (what is
+    left over it is mostly the three parts' headers, on a stream of a few kB)."""
+    rng = np.random.default_rng(0)
+    n = 40_000
+    p = np.r_[[0.1, 0.4], [p0 / (1 - p0)], [0.4, 0.1]] * (1 - p0)
+    a = rng.choice(np.arange(30, 35, dtype=np.uint8), size=n, p=p / p.sum()).astype(np.uint8)
+    h0 = codec.order0_entropy_bytes(a)
+    blob, used = codec.compress_best(a, codec.CODE_CODECS, codec.CODE_LEVEL)
+    assert used == codec.MODE and len(blob) <= 1.06 * h0, (used, len(blob), h0)
+    assert len(codec.compress(a, codec.RANKS, codec.CODE_LEVEL)) > ranks_over * h0
+    assert codec.decompress(blob, used, n) == a.tobytes()
+
+
+def test_mode_is_offered_only_where_one_value_is_half_of_a_mid_sized_stream():
+    def counts(n, top):  # `top` of one value, the other n - top spread over seven others
+        return np.bincount(np.r_[np.zeros(top, np.uint8), np.arange(n - top) % 7 + 1], minlength=256)
+    assert codec._can_win(codec.MODE, counts(codec._MODE_FROM, codec._MODE_FROM // 2))
+    assert not codec._can_win(codec.MODE, counts(codec._MODE_FROM, codec._MODE_FROM // 2 - 1))
+    assert not codec._can_win(codec.MODE, counts(codec._MODE_FROM - 1, codec._MODE_FROM - 1))
+    assert not codec._can_win(codec.MODE, counts(codec._PACKED_ONLY_SIZE, codec._PACKED_ONLY_SIZE))
+
+
+@pytest.mark.parametrize("p", [0.45, 0.02])  # a dense mask (packed ranks) and a sparse one (the gaps between 1s)
+def test_a_mode_stream_with_a_bad_header_mask_or_rest_is_refused(p):
+    rng = np.random.default_rng(0)
+    a = np.where(rng.random(8003) < p, rng.choice(np.array([30, 33], np.uint8), 8003), 31).astype(np.uint8)
+    blob = codec.compress(a, codec.MODE, codec.CODE_LEVEL)
+    mask_codec = codec._MODE_MASK_CODECS[blob[1] >> 4]
+    assert blob[0] == 31 and mask_codec == (codec.RANKS if p > 0.1 else codec.ZSTD_RUNS)
+    n = int(np.frombuffer(blob[2:6], "<u4")[0])
+    mask, rest = blob[6:6 + n], blob[6 + n:]
+    decode = lambda b: codec.decompress(b, codec.MODE, a.size)
+    assemble = lambda m: blob[:2] + np.array([len(m)], "<u4").tobytes() + m + rest
+    assert decode(blob) == a.tobytes() == decode(assemble(mask))
+    for cut in (0, 1, 5):
+        with pytest.raises(codec.CodecError):
+            decode(blob[:cut])
+    with pytest.raises(codec.CodecError, match="no valid mode"):
+        decode(blob[:1] + bytes([len(codec._MODE_MASK_CODECS) << 4]) + blob[2:])
+    with pytest.raises(codec.CodecError, match="no valid mode"):
+        decode(blob[:1] + bytes([blob[1] & 0xF0 | len(codec._MODE_REST_CODECS)]) + blob[2:])
+    with pytest.raises(codec.CodecError, match="mask of"):
+        decode(blob[:2] + np.array([len(blob)], "<u4").tobytes() + blob[6:])
+    other = (a != 31).astype(np.uint8)
+    # A mask of another size; a mask holding a value other than 0 and 1; a mask marking far more values than the
+    # rest holds (the segment's CRC32 guards against a flipped bit: "ranks" pads with rank 0, a value).
+    with pytest.raises(codec.CodecError):
+        decode(assemble(codec.compress(other[:-64], mask_codec, codec.CODE_LEVEL)))
+    two = other.copy()
+    two[np.flatnonzero(two)[0]] = 2
+    with pytest.raises(codec.CodecError, match="not 0 or 1"):
+        decode(assemble(codec.compress(two, mask_codec, codec.CODE_LEVEL)))
+    with pytest.raises(codec.CodecError):
+        decode(assemble(codec.compress(np.ones_like(other), codec.RANKS, codec.CODE_LEVEL)))

@@ -13,7 +13,7 @@ import inshrink_jax as ij
 from inshrink_jax import cli, store
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
+VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 
 
 def restored_as_numpy(directory) -> dict:
