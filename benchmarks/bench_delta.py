@@ -242,7 +242,7 @@ def main(argv=None):
              "Ratio = float32 bytes of all parameters / stored bytes (code stream + the protected values, "
              "centres and lossless leaves that every variant stores alike). H0 = order-0 entropy of the code "
              "stream, the bound of a memoryless symbol coder; 'zstd' is what the handler stores (the smallest of "
-             "codec.CODE_CODECS: zstd at its code settings, zstd-runs, ranks, prefix, zstd-escape); zstd/H0 < 1 would mean it found "
+             "codec.CODE_CODECS: zstd at its code settings, zstd-runs, ranks, prefix, zstd-escape, mode); zstd/H0 < 1 would mean it found "
              "structure beyond symbol frequencies (runs).", "",
              WHY_ABOVE_H0, "",
              "## Overall", "",

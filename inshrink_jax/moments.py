@@ -114,13 +114,15 @@ def _encode_moments(ms, key, *, buckets, bins, spec, iters, tol, restarts, dtype
     for b, (m, finite, keep, negative, mag) in zip(buckets, prepared):
         # Levels inside the leaf dtype's normal range (before assignment, so each value still takes the nearest
         # level it decodes to): a non-zero moment never decodes to 0 or Inf.
+        # Then rounded to bfloat16 as every stored table is (`quantize.bf16_table`; a level of at least `tiny`, a
+        # power of two, stays so), and a value takes the nearest in log|m| of those.
         info = jnp.finfo(dtypes[b[0]])
         c = jnp.clip(centres[row:row + len(b)], float(np.log(info.tiny)), float(np.log(info.max)))
-        level = jax.vmap(kmeans.assign)(jnp.log(jnp.maximum(mag, tiny)), c)
+        levels = quantize.bf16_table(jnp.clip(jnp.exp(c), float(info.tiny), float(info.max)), float(info.max))
+        level = jax.vmap(kmeans.assign)(jnp.log(jnp.maximum(mag, tiny)), jnp.log(levels))
         code = jnp.where(negative, bins - level, bins + 1 + level)
         code = jnp.where(keep, code, PRUNED)
         code = jnp.where(finite, code, protected_code(table_size(bins))).astype(jnp.uint8)
-        levels = jnp.clip(jnp.exp(c), float(info.tiny), float(info.max))
         table = jnp.concatenate([-levels[:, ::-1], levels], axis=1)
         out.append((code, table, jnp.where(finite, jnp.zeros((), m.dtype), m)))
         row += len(b)
@@ -211,7 +213,8 @@ def _widths(hist, budget, *, spec):
 def _codes(m, r, zero, exact, levels, cells, width):
     """(uint8 codes, value table, the exact values in place) of one first moment."""
     code = jnp.where(exact, cells + 1, jnp.where(zero, PRUNED, 1 + quantize.uniform_cell(r, width, cells)))
-    return code.astype(jnp.uint8), levels, jnp.where(exact, m, jnp.zeros((), m.dtype))
+    table = quantize.bf16_table(levels, float(jnp.finfo(jnp.float32).max))  # as every stored table (a ratio)
+    return code.astype(jnp.uint8), table, jnp.where(exact, m, jnp.zeros((), m.dtype))
 
 
 def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array | None],

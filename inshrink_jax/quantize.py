@@ -357,7 +357,8 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
 
             def candidate(nb, step):
                 centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, nb, step, kind.capacity))(counts)
-                centres = jnp.where(jnp.arange(kind.capacity) < nb, centres, 0.0)  # as `_level_codes`
+                centres = jnp.where(jnp.arange(kind.capacity) < nb, bf16_table(centres, _largest(x.dtype)),
+                                    0.0)  # as `_level_codes`
                 code = jnp.where(finite, 1 + jax.vmap(lambda v, wd: uniform_cell(v, wd, nb))(x32, widths), nb + 1)
                 d = jax.vmap(lambda cd, ce, v, o, *f: _dequantize_one(cd, ce, v, nb, o, None, f or None,
                                                                       dtypes[t][b[0]]))(
@@ -482,6 +483,22 @@ def _sampled_histogram(x, mask, *, spec, stride):
     return sketch.histogram(x, spec, mask, stride)
 
 
+def bf16_table(t: jax.Array, limit) -> jax.Array:
+    """A value table's float32 entries rounded to bfloat16 values (the nearest, ties to even; toward zero where the
+    nearest's magnitude exceeds `limit`, the largest value of the dtype the table decodes to): what the records
+    store of every table, as 16-bit patterns (`records.table_bits`), exactly. By integer arithmetic on the bits,
+    so every backend rounds alike. Tables leave every encoder so rounded and everything after (the closed loop's
+    reconstruction, a restore) uses them as rounded: a level moves by at most 2^-9 of itself, far inside the gaps
+    between levels, and the records of a model of many small leaves shrink by a third (a float32's decimal takes up
+    to 9 significant digits)."""
+    bits = jax.lax.bitcast_convert_type(t.astype(jnp.float32), jnp.uint32)
+    high = jnp.uint32(0xFFFF0000)
+    nearest = jax.lax.bitcast_convert_type((bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & high,
+                                           jnp.float32)
+    down = jax.lax.bitcast_convert_type(bits & high, jnp.float32)
+    return jnp.where(jnp.abs(nearest) <= limit, nearest, down)
+
+
 def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool):
     """Codes, levels and in-place protected values of one type's tensors quantized to k-means levels or to a
     uniform quantizer's cells (`uniform`; `widths` per tensor): per bucket of `kind.buckets`, each stacked."""
@@ -489,7 +506,8 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
     out = []
     row = 0
     for b, x, (x32, _, _, _), p, q in zip(kind.buckets, part.values, part.scored, part.protected, part.pruned):
-        c, width = centres[row:row + len(b)], widths[row:row + len(b)]
+        # The levels as stored (`bf16_table`), before assignment: a value takes the nearest of those.
+        c, width = bf16_table(centres[row:row + len(b)], _largest(x.dtype)), widths[row:row + len(b)]
         # A uniform quantizer's value takes its cell (an outer cell's level is the mean of its values, not
         # necessarily the nearest level).
         level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
@@ -502,6 +520,12 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
         out.append((code, jnp.where(used, c, 0.0), _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
     return out
+
+
+def _largest(dtype) -> float:
+    """The largest finite value of a float dtype (float32's for any other)."""
+    dtype = jnp.dtype(dtype)
+    return float(jnp.finfo(dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32).max)
 
 
 def _taken_range(code, bins, capacity: int):
@@ -539,7 +563,8 @@ def _entropy_codes(part: _Partition, kind: Kind, rate, spec, n: int):
         levels_b, lengths_b = penalised[0][row:row + len(b)], penalised[1][row:row + len(b)]
         level = jax.vmap(lambda v, lv, ln: kmeans.penalised_assign(v / unit, lv, ln, lam))(x32, levels_b, lengths_b)
         code = jnp.where(p, slots + 1, level).astype(jnp.uint8)
-        out.append((code, centres[row:row + len(b)], _in_place(x, p, kind.out_dtypes[b[0]])))
+        out.append((code, bf16_table(centres[row:row + len(b)], _largest(x.dtype)),
+                    _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
     return out
 

@@ -474,10 +474,11 @@ def _closed_loop(reader: store.Reader, meta: records.Leaf, target, what: str):
             links.append((shards, None, _once(lambda p, e, obj=obj: obj.array(
                 meta.keystr, p, e.segments["data"], "data", dtype, store.box_shape(e.box))), obj))
             continue
-        levels = {tuple(e.segments["codes"].levels or ()) for _, e in shards}
-        if len(levels) != 1 or not 1 <= len(next(iter(levels))) <= records.MAX_LEVELS:
+        tables = [e.segments["codes"].table() for _, e in shards]
+        if any(t is None for t in tables) or not 1 <= tables[0].size <= records.MAX_LEVELS or any(
+                not np.array_equal(t.view(np.uint32), tables[0].view(np.uint32)) for t in tables[1:]):
             raise store.CheckpointCorruptError(f"{what}: object {obj.id} holds no single list of levels for it")
-        centres = np.asarray(levels.pop(), np.float32)
+        centres = tables[0]
         codes_of, top_of = _link_codes(obj, meta.keystr, centres.size, what)
         protected_of = _protected_reader(codes_of, lambda *a, obj=obj: obj.array(meta.keystr, *a), centres.size, what,
                                          top_of)

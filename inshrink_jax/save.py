@@ -548,7 +548,7 @@ def _encode_shard(rec: records.Leaf, box, payload, chain: ItemState, keyframe_ev
             # The encoder zeroes the cells outside the range of the codes; a tensor split into shards keeps the
             # levels inside it, since every shard's record must hold the same levels.
             centres = np.where(counts[1:centres.size + 1] > 0, centres, np.float32(0)).astype(np.float32)
-        extra = {"prior": prior, "levels": records.float32_list(centres)}
+        extra = {"prior": prior, "levels16": records.table_bits(centres)}
         if factors is not None:  # this shard's part of each axis's factors
             extra["weighting"] = [np.asarray(f)[lo:hi].tolist() for f, (lo, hi) in zip(factors, box)]
         return {"codes": (*codec.compress_best(enc.codes, codec.CODE_CODECS, codec.CODE_LEVEL, counts), extra),
@@ -651,14 +651,14 @@ async def write(d: Dispatched, directory, object_id: str, chain: ItemState, cfg:
 def manifest(d: Dispatched, object_id: str, process_count: int) -> records.Manifest:
     """The step's manifest, with the centres of the quantized leaves (replicated: every process has them): a
     second moment's symmetric table by its positive half, a closed-loop parameter's none (its link's levels are
-    in the offset table; `records.Leaf.table`). A small model's records are a large share of a save: a vision
-    transformer's 138k parameters in 216 leaves wrote 16.7 kB of manifest a save, 60% of it second moments'
-    tables, of a 95 kB save."""
+    in the offset table; `records.Leaf.table`), as bfloat16 bit patterns (`records.table_bits`). A small model's
+    records are a large share of a save: a vision transformer's 138k parameters in 216 leaves wrote 16.7 kB of
+    manifest a save, 60% of it second moments' tables, of a 95 kB save."""
     recs = list(d.records)
     for i, dev in zip(d.quantized, d.devs):
         bins = int(dev.bins)
         recs[i] = dataclasses.replace(recs[i], bins=bins,
-                                      centres=recs[i].stored_centres(np.asarray(dev.centres)[:bins]))
+                                      centres16=recs[i].stored_centres(np.asarray(dev.centres)[:bins]))
     raw = {part: 0 for part in records.PARTS}
     for r in recs:
         raw[r.part] += r.nbytes

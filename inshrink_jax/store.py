@@ -51,7 +51,8 @@ FORMAT_VERSION = 16  # 4: leaves of kind "dropped"; quantized leaves of method "
 # 10: the codecs zstd-runs (written instead of zstd-rle) and zstd-rank; 11: weighted closed-loop residuals
 # (segment field `weighting`); 12: the codec zstd-escape; 13: a second moment's value table stored by its
 # positive half, and no manifest centres for closed-loop parameters (records.Leaf.table); 14: the codec ranks
-# (written instead of zstd-radix and zstd-rank); 15: the codec prefix; 16: the codec mode
+# (written instead of zstd-radix and zstd-rank); 15: the codec prefix; 16: the codec mode, and value tables
+# as bfloat16 bit patterns (leaf field `centres16`, segment field `levels16`)
 # 5: level-index deltas against a base checkpoint of another root (no longer read: they lost the fine-tune)
 # 6: weights stored as residuals against a base checkpoint (leaf field `base_leaf`, manifest `base`, the base's
 #    object listed by absolute path in the step's commit record)

@@ -97,9 +97,9 @@ def test_a_huge_single_leaf_round_trips(tmp_path):
     assert out.shape == w.shape
     reader = ij.store.Reader(tmp_path / "0" / "default")
     meta = reader.manifest.leaves[0]
-    assert meta.coding == ij.records.CLOSED_LOOP and meta.centres is None  # a keyframe: the levels of its link
+    assert meta.coding == ij.records.CLOSED_LOOP and meta.stored is None  # a keyframe: the levels of its link
     [(_, shard)] = reader.shards[meta.keystr]
-    on_grid = np.isin(out, np.asarray(shard.segments["codes"].levels, np.float32))
+    on_grid = np.isin(out, shard.segments["codes"].table())
     near = np.abs(out - w) <= 2.0**-8 * np.abs(w)  # protected: bfloat16 of the weight
     assert np.all(on_grid | near)  # every weight is on one of the 16 centres or its protected value
     assert near.mean() >= 0.005  # the protected 0.5% (the largest weights) come back near-exact

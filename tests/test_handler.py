@@ -37,7 +37,7 @@ def assert_on_grid(restored, original, meta):
     if meta.coding == ij.records.CLOSED_LOOP:
         assert np.sqrt(np.mean((r - o) ** 2)) <= 0.25 * np.sqrt(np.mean(o ** 2))
         return
-    centres = np.asarray(meta.centres, np.float32).astype(np.float64)
+    centres = meta.table().astype(np.float64)
     on_grid = (r == 0) | np.isin(r, centres)
     near = np.abs(r - o) <= 2.0**-8 * np.abs(o)
     assert np.all(on_grid | near)

@@ -267,7 +267,7 @@ def test_first_and_second_moments_take_their_own_level_counts(tmp_path, trained)
             mu_r, nu_r = np.asarray(mu_r, np.float64), np.asarray(nu_r, np.float64)
             assert np.unique(nu_r[nu_r != 0]).size <= 5
             ratios = mu_r[mu_r != 0] / np.sqrt(nu_r[mu_r != 0])
-            gap = np.min(np.abs(ratios[:, None] - np.asarray(meta.centres)[None, :]), axis=1)
+            gap = np.min(np.abs(ratios[:, None] - meta.table()[None, :]), axis=1)
             assert np.all(gap <= 1e-6 * np.abs(ratios))
 
 
