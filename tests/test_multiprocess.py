@@ -60,8 +60,9 @@ for step in (0, 1):
     r = mngr.restore(step)
     want = w.host_state(step)
     # x, a small float leaf, is exact at the keyframe (step 0) and a closed-loop residual after it: its change
-    # (1.0 everywhere) comes back as its level, a sketch bucket's representative (within alpha = 1%)
-    np.testing.assert_allclose(r["x"], want["x"], rtol=0.0 if step == 0 else 0.011, atol=0.0)
+    # (1.0 everywhere) comes back as its level, a sketch bucket's representative (within alpha = 1%) rounded to
+    # bfloat16 as every stored table is (within 2^-9 of itself)
+    np.testing.assert_allclose(r["x"], want["x"], rtol=0.0 if step == 0 else 0.01 * (1 + 2**-9) + 2**-9, atol=0.0)
     assert np.max(np.abs(r["params"]["w"] - want["params"]["w"])) < 0.5
 assert cli.main(["verify", root]) == 0
 mngr.save(3, args=ij.InshrinkSave({{"x": np.arange(3.0)}}))
@@ -70,4 +71,4 @@ assert mngr.all_steps() == [0, 1, 3] and "2.0" not in store.object_names(root, "
 print("ok")
 """
     done = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout[-2000:], done.stderr[-4000:])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout[-2000:], done.stderr[-8000:])
