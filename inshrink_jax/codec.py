@@ -293,13 +293,15 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 _RUN_VALUE_CODECS = (RAW, ZSTD, ZSTD_RADIX, ZSTD_RANK)  # "zstd-runs": its values' codec byte indexes this
 _RADIX_MAX = 16  # the largest base that still packs two values to a byte
-# "mode": the low 4 bits of its codec byte index the other values' codec (any code codec but "mode" itself), the
-# high 4 bits the mask's. Offered to streams of `_MODE_FROM` values or more (below, "prefix" codes a stream of few
+# "mode": the low 4 bits of its codec byte index the other values' codec (a code codec but "mode" itself and
+# "prefix", whose decode takes several times `ranks`' on streams of thousands of values: with it, a ResNet's warm
+# restore slowed by 40% for a few tenths of a percent fewer bytes; benchmarks/results/save_breakdown_resnet_prefix.md),
+# the high 4 bits the mask's. Offered to streams of `_MODE_FROM` values or more (below, "prefix" codes a stream of few
 # values and its header costs less than the mask's frame) and fewer than `_PACKED_ONLY_SIZE` whose mode is at least
 # half of them. Not to larger ones: gathering the other values costs several times a packing pass (ad hoc, 25M
 # values: 0.1-0.2 s against 0.03 s), and a closed-loop chain's link of 8M values or more is added from its packed
 # bytes on restore (quantize.takes_packed), which a "mode" stream does not have.
-_MODE_REST_CODECS = (RAW, ZSTD, ZSTD_RUNS, RANKS, PREFIX, ZSTD_ESCAPE)
+_MODE_REST_CODECS = (RAW, ZSTD, ZSTD_RUNS, RANKS, ZSTD_ESCAPE)
 _MODE_MASK_CODECS = (RAW, RANKS, ZSTD_RUNS)  # its mask's: packed 8 to a byte, or the gaps between the other values
 _MODE_FROM = 1 << 12
 

@@ -559,7 +559,7 @@ def test_a_peaked_stream_is_coded_by_mode_within_6_percent_of_its_entropy(p0, ra
     the stream); "mode" codes the mask and the rest each near its own entropy, whose sum is the stream's (what is
     left over it is mostly the three parts' headers, on a stream of a few kB)."""
     rng = np.random.default_rng(0)
-    n = 40_000
+    n = 100_000
     p = np.r_[[0.1, 0.4], [p0 / (1 - p0)], [0.4, 0.1]] * (1 - p0)
     a = rng.choice(np.arange(30, 35, dtype=np.uint8), size=n, p=p / p.sum()).astype(np.uint8)
     h0 = codec.order0_entropy_bytes(a)
