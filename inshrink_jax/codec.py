@@ -959,17 +959,10 @@ def _decompress_mode(blob: bytes, size: int) -> np.ndarray:
     m, n = blob[0], int(np.frombuffer(blob[2:6], "<u4")[0])
     if n > len(blob) - 6:
         raise CodecError(f"mode stream states a mask of {n} bytes, the stream has fewer")
-    mask, mask_codec = blob[6:6 + n], _MODE_MASK_CODECS[blob[1] >> 4]
-    if mask_codec == RANKS and len(mask) > 2 and mask[:3] in (b"\x02\x00\x01", bytes([2 | _RANKS_ZSTD, 0, 1])):
-        # Ranks of the alphabet 0, 1 (a mask with values of both kinds): eight a byte, the first the least
-        # significant bit, which are the mask's bits as they are (checked as `_decode` would check them).
-        packed, _, _ = _ranks_packed(mask, size)
-        other = np.unpackbits(packed, count=size, bitorder="little").view(bool)
-    else:
-        other = _decode(mask, mask_codec, size)
-        if other.size and int(other.max()) > 1:
-            raise CodecError(f"mode stream's mask holds {int(other.max())}, not 0 or 1")
-        other = other.view(bool)
+    other = _decode(blob[6:6 + n], _MODE_MASK_CODECS[blob[1] >> 4], size)
+    if other.size and int(other.max()) > 1:
+        raise CodecError(f"mode stream's mask holds {int(other.max())}, not 0 or 1")
+    other = other.view(bool)
     values = _decode(blob[6 + n:], _MODE_REST_CODECS[blob[1] & 15], int(np.count_nonzero(other)))
     out = np.full(size, m, np.uint8)
     np.place(out, other, values)  # the values in order where the mask is set (a little faster than out[other] =)
