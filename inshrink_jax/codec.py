@@ -71,11 +71,11 @@ the decoder by id and a later format adds a codec instead of breaking old checkp
                 the two parts' codecs), the mask part's length (little-endian uint32), the mask: a stream of `size`
                 values, 1 where the value is not m and 0 where it is, coded by the best of `_MODE_MASK_CODECS`
                 ("ranks": 8 a byte; "zstd-runs": the gaps between the 1s, for a sparse mask), then the other
-                values in order, coded by the best of `_MODE_REST_CODECS`. Packed several to a
-                byte, a peaked stream's bytes still take whole bits of zstd's Huffman literals: where the mode is
-                80-90% of the stream, "ranks" and "zstd-escape" stored a ResNet's first moments at 1.10x their
-                order-0 entropy; split into the mask (bytes of eight values, near the entropy) and the rest, they
-                come within a few percent of it (the order-0 entropy is the mask's plus the rest's).
+                values in order, coded by the best of `_MODE_REST_CODECS`. Packed several to a byte, a peaked
+                stream's bytes still take whole bits of zstd's Huffman literals: "ranks" and "zstd-escape"
+                stored a ResNet's first moments, mostly their central cell, at 1.10x their order-0 entropy;
+                split into the mask (bytes of eight values, near the entropy) and the rest, 1.03x (the order-0
+                entropy is the mask's plus the rest's; benchmarks/results/save_breakdown_resnet.md).
   "raw"         the bytes as they are: chosen by `compress_best` when coding would not make them smaller
                 (tiny leaves such as step counters, where zstd's frame header costs more than it saves).
 """
