@@ -63,10 +63,11 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
             raise
     # A target of None (a partial restore's subtree) or ... (Orbax's PLACEHOLDER) is not read: it stays as it is.
     reader.shared_values, reader.decode_threads = {}, threads
-    try:  # leaf by leaf: a restore's peak memory is that of its largest leaf, not of several at once
+    try:  # leaf by leaf (`LEAVES_AT_ONCE` large chains at a time): a restore's peak memory is that of its largest
+        # leaves, not of all of them
         if concurrent_bytes is None:
             decode_codes(reader, pairs, threads)
-            values = [t if m is None else restore_leaf(reader, m, t) for m, t in pairs]
+            values = _restore_leaves(reader, pairs, threads)
         else:
             values = asyncio_utils.run_sync(_restore_limited(reader, pairs, concurrent_bytes))
     finally:
@@ -79,6 +80,41 @@ def restore(reader: store.Reader, target: Any, threads: int, chained: dict | Non
         return jax.tree_util.tree_unflatten(treedef, values)
     with store.reading(reader.directory, "the tree of key paths"):
         return records.unflatten_plain([m.path for m in reader.manifest.leaves], values, reader.manifest.empty)
+
+
+# Closed-loop leaves of at least `_THREADED_SIZE` elements are restored this many at once (each its own chain's
+# decompression, protected positions and kernels), when the restore has threads to spare: a leaf's host work is
+# mostly one thread's, so one after the other they left a core idle (a keyframe of four 25M-value tensors). Peak
+# memory is then that of this many leaves, not of one.
+LEAVES_AT_ONCE = 2
+
+
+def _restore_leaves(reader: store.Reader, pairs: list, threads: int) -> list:
+    """`restore_leaf` of every pair (a target of None stays None): the large closed-loop leaves `LEAVES_AT_ONCE`
+    at a time in threads, after the others, which go one after the other (their time is Python's, which threads
+    only contend for)."""
+    def large(m) -> bool:
+        return m is not None and m.kind == "quantized" and m.coding == records.CLOSED_LOOP and \
+            math.prod(m.shape) >= _THREADED_SIZE
+    together = [k for k, (m, _) in enumerate(pairs) if large(m)]
+    if threads < 2 or len(together) < 2:
+        together = []
+    values: list = [None] * len(pairs)
+    later = set(together)
+    for k, (m, t) in enumerate(pairs):
+        if k not in later:
+            values[k] = t if m is None else restore_leaf(reader, m, t)
+    if not together:
+        return values
+    for k in together:
+        reader.links(pairs[k][0].keystr)  # every object of the chains opened here, not by two threads at once
+    with concurrent.futures.ThreadPoolExecutor(min(threads, LEAVES_AT_ONCE)) as pool:
+        try:
+            for k, v in zip(together, pool.map(lambda k: restore_leaf(reader, *pairs[k]), together)):
+                values[k] = v
+        finally:
+            pool.shutdown(cancel_futures=True)
+    return values
 
 
 async def _restore_limited(reader: store.Reader, pairs: list, concurrent_bytes: int) -> list:

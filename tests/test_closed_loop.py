@@ -266,7 +266,7 @@ def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path,
     assert np.isposinf(held[2]["['w']"][3, 3]) and np.isfinite(held[3]["['w']"][3, 3])
 
 
-def test_a_missing_or_corrupt_link_is_a_named_error(tmp_path):
+def test_a_missing_or_corrupt_link_is_a_named_error(tmp_path, monkeypatch):
     mngr = manager(tmp_path)
     for step, s in enumerate(walk(6, 3)):
         mngr.save(step, args=ij.InshrinkSave(s))
@@ -277,6 +277,11 @@ def test_a_missing_or_corrupt_link_is_a_named_error(tmp_path):
     blob.write_bytes(bytes(data))
     with pytest.raises(ij.CheckpointCorruptError, match=r"step 2.*leaf \['(w|v)'\].*checksum"):
         manager(tmp_path).restore(2)
+    with monkeypatch.context() as m:  # every leaf large: the leaves restored two at a time in threads
+        m.setattr(restore, "_THREADED_SIZE", 0)
+        with pytest.raises(ij.CheckpointCorruptError, match=r"step 2.*leaf \['(w|v)'\].*checksum"):
+            manager(tmp_path).restore(2)
+        assert manager(tmp_path).restore(0)["w"].shape == (96, 64)
     assert cli.main(["verify", str(tmp_path), "--step", "2"]) == 1
     shutil.rmtree(store.objects_dir(tmp_path, "default") / "1.0")
     with pytest.raises(ij.CheckpointCorruptError, match=r"step 2.*object 1\.0.*missing"):
