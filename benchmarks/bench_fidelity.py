@@ -228,22 +228,40 @@ class ViT(nn.Module):
         return nn.Dense(10)(jnp.mean(nn.LayerNorm()(x), axis=1))
 
 
-class ViTAdamW(ScheduledMnist):
+class FlaxMnist(ScheduledMnist):
+    """An MNIST workload of a Flax module (`module`) trained by an optax transformation (`optimizer`)."""
+
+    def module(self) -> nn.Module:
+        raise NotImplementedError
+
+    def optimizer(self) -> optax.GradientTransformation:
+        raise NotImplementedError
+
+    def thousands(self) -> int:
+        """The model's parameters, in thousands (for `describe`)."""
+        return sum(x.size for x in jax.tree.leaves(self.create_state().params)) // 1000
+
+    def create_state(self):
+        model = self.module()
+        params = model.init(jax.random.PRNGKey(self.seed), jnp.zeros((1, 28, 28, 1)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=self.optimizer())
+
+
+class ViTAdamW(FlaxMnist):
     """A vision transformer on MNIST with AdamW and cosine decay (module docstring): the held-out workload."""
 
     name = "vit"
 
     def describe(self, steps):
-        n = sum(x.size for x in jax.tree.leaves(self.create_state().params))
-        return (f"MNIST vision transformer ({n // 1000}k parameters: 4 layers of width 64, 4 heads, 16 patches of "
-                f"7x7), AdamW 1e-3 with cosine decay over {steps} steps and weight decay 1e-4, batch "
+        return (f"MNIST vision transformer ({self.thousands()}k parameters: 4 layers of width 64, 4 heads, 16 patches "
+                f"of 7x7), AdamW 1e-3 with cosine decay over {steps} steps and weight decay 1e-4, batch "
                 f"{self.batch_size}; quality on 8,000 test images, eval_fn = loss on the other 2,000")
 
-    def create_state(self):
-        model = ViT()
-        params = model.init(jax.random.PRNGKey(self.seed), jnp.zeros((1, 28, 28, 1)))["params"]
-        tx = optax.adamw(optax.cosine_decay_schedule(1e-3, self.total), weight_decay=1e-4)
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    def module(self):
+        return ViT()
+
+    def optimizer(self):
+        return optax.adamw(optax.cosine_decay_schedule(1e-3, self.total), weight_decay=1e-4)
 
 
 class Mixer(nn.Module):
@@ -267,24 +285,24 @@ class Mixer(nn.Module):
         return nn.Dense(10)(jnp.mean(nn.LayerNorm()(x), axis=1))
 
 
-class MixerAdamW(ScheduledMnist):
+class MixerAdamW(FlaxMnist):
     """An MLP-Mixer on MNIST with gradient clipping and AdamW on a warm-up and cosine schedule (module docstring):
     a second held-out workload, with a chained optimizer state."""
 
     name = "mixer"
 
     def describe(self, steps):
-        n = sum(x.size for x in jax.tree.leaves(self.create_state().params))
-        return (f"MNIST MLP-Mixer ({n // 1000}k parameters: 4 blocks of width 64, 49 patches of 4x4), global-norm "
-                f"clipping at 1 then AdamW 2e-3 with 100 warm-up steps and cosine decay over {steps} steps, weight "
-                f"decay 1e-4, batch {self.batch_size}; quality on 8,000 test images, eval_fn = loss on the other 2,000")
+        return (f"MNIST MLP-Mixer ({self.thousands()}k parameters: 4 blocks of width 64, 49 patches of 4x4), "
+                f"global-norm clipping at 1 then AdamW 2e-3 with 100 warm-up steps and cosine decay over {steps} "
+                f"steps, weight decay 1e-4, batch {self.batch_size}; quality on 8,000 test images, eval_fn = loss on "
+                "the other 2,000")
 
-    def create_state(self):
-        model = Mixer()
-        params = model.init(jax.random.PRNGKey(self.seed), jnp.zeros((1, 28, 28, 1)))["params"]
+    def module(self):
+        return Mixer()
+
+    def optimizer(self):
         schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, 100, self.total)
-        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
-        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
 
 
 WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "charlm-muon": CharLMMuon,
