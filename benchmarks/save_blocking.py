@@ -95,7 +95,6 @@ def main(argv=None):
         print(f"  {mode} ...", flush=True)
         runs[mode] = run(mode, args.saves)
     steps = sorted(runs["caller"]["blocks"])
-    steady = steps[WARM:]
     cmd = f"python benchmarks/save_blocking.py --saves {args.saves}" + (f" --out {args.out}" if args.out else "")
     lines = ["# What a save costs the training loop (character transformer)", "", f"Command: `{cmd}`", "",
              " ".join(__doc__.split("\n\n")[2].split()), "",

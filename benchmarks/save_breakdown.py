@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-import jax
 import orbax.checkpoint as ocp
 import zstandard
 

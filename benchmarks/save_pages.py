@@ -25,7 +25,6 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
