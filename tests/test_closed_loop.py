@@ -6,6 +6,7 @@ errors."""
 import dataclasses
 import functools
 import shutil
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -264,6 +265,36 @@ def test_every_restore_of_a_chain_is_the_reconstruction_its_saver_held(tmp_path,
                 assert out[name].dtype == expect.dtype
                 np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), expect.view(np.uint8))
     assert np.isposinf(held[2]["['w']"][3, 3]) and np.isfinite(held[3]["['w']"][3, 3])
+
+
+def test_large_closed_loop_leaves_restore_two_at_a_time_in_threads_to_the_same_values(tmp_path, monkeypatch):
+    """Closed-loop leaves of `_THREADED_SIZE` elements or more (lowered here) are restored `LEAVES_AT_ONCE` at a
+    time off the caller's thread, the others on it; the values are the serial restore's bit for bit."""
+    mngr = manager(tmp_path)
+    for step, s in enumerate(walk(3, 3)):
+        mngr.save(step, args=ij.InshrinkSave(s))
+        mngr.wait_until_finished()
+    serial = manager(tmp_path).restore(2)
+    where, at_once, running = {}, [], set()
+    original = restore.restore_leaf
+
+    def recorded(reader, m, t):
+        running.add(m.keystr)
+        at_once.append(len(running))
+        where[m.keystr] = threading.current_thread() is threading.main_thread()
+        try:
+            return original(reader, m, t)
+        finally:
+            running.discard(m.keystr)
+
+    monkeypatch.setattr(restore, "restore_leaf", recorded)
+    monkeypatch.setattr(restore, "_THREADED_SIZE", 64 * 32)  # w (96 x 64) and v (64 x 32), not b (64)
+    threaded = manager(tmp_path).restore(2)
+    assert where == {"['w']": False, "['v']": False, "['b']": True}
+    assert max(at_once) <= restore.LEAVES_AT_ONCE
+    for name in ("w", "v", "b"):
+        np.testing.assert_array_equal(np.asarray(threaded[name]).view(np.uint8),
+                                      np.asarray(serial[name]).view(np.uint8))
 
 
 def test_a_missing_or_corrupt_link_is_a_named_error(tmp_path, monkeypatch):
