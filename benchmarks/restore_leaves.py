@@ -38,8 +38,8 @@ FIRST = """
 import json, sys, time
 import jax, orbax.checkpoint as ocp, inshrink_jax as ij
 from inshrink_jax import restore
-path, step, restore.LEAVES_AT_ONCE = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=10)))
+path, step, restore.LEAVES_AT_ONCE, every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=every)))
 t0 = time.perf_counter()
 jax.block_until_ready(mngr.restore(step, args=ij.InshrinkRestore()))
 print(json.dumps(time.perf_counter() - t0))
@@ -58,8 +58,8 @@ def measure(n: int, rounds: int, tmp: str) -> dict:
     for _ in range(rounds):
         for at in VARIANTS:
             for step in (0, DEPTH):
-                out = subprocess.run([sys.executable, "-c", FIRST, path, str(step), str(at)], capture_output=True,
-                                     text=True, check=True)
+                out = subprocess.run([sys.executable, "-c", FIRST, path, str(step), str(at), str(DEPTH + 1)],
+                                     capture_output=True, text=True, check=True)
                 times.setdefault(("first", at, step), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     orbax = ocp.CheckpointManager(os.path.join(tmp, "orbax"))
