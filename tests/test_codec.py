@@ -610,3 +610,34 @@ def test_a_mode_stream_with_a_bad_header_mask_or_rest_is_refused(p):
         decode(assemble(codec.compress(two, mask_codec, codec.CODE_LEVEL)))
     with pytest.raises(codec.CodecError):
         decode(assemble(codec.compress(np.ones_like(other), codec.RANKS, codec.CODE_LEVEL)))
+
+
+@hypothesis.settings(deadline=None, max_examples=60)
+@hypothesis.given(st.integers(0, 3000), st.integers(1, 16), st.sampled_from([2, 4, 10, 64, 1 << 18]),
+                  st.integers(0, 2**31 - 1))
+def test_block_by_block_passes_write_the_bytes_of_one_pass_over_the_stream(n, distinct, block, seed):
+    """Histograms, rank lookups and packing run `codec._BLOCK` values at a time: whatever the block (odd ones and
+    ones that do not hold whole bytes of packed values included), the same histogram and the same stream bytes as
+    one pass over the whole stream (the format's definition: digit by digit, the first value least significant),
+    and every stream decodes to its values."""
+    rng = np.random.default_rng(seed)
+    alphabet = np.sort(rng.choice(256, distinct, replace=False)).astype(np.uint8)
+    arr = alphabet[rng.integers(0, distinct, n)]
+    whole = {}
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(codec, "_BLOCK", 1 << 62)
+        m.setattr(codec, "_PAIR_TABLE_FROM", 0)  # the table of pairs on any stream of two values a byte
+        for c in codec.CODE_CODECS:
+            whole[c] = codec.compress(arr, c, codec.CODE_LEVEL)
+        whole["counts"] = codec.byte_counts(arr)
+        whole["pack"] = codec._pack(arr, 16, codec._rank_table(np.unique(arr) if n else alphabet, 0))
+        m.setattr(codec, "_BLOCK", block)
+        np.testing.assert_array_equal(codec.byte_counts(arr), whole["counts"])
+        np.testing.assert_array_equal(codec.byte_counts(arr), np.bincount(arr, minlength=256))
+        np.testing.assert_array_equal(
+            codec._pack(arr, 16, codec._rank_table(np.unique(arr) if n else alphabet, 0)), whole["pack"])
+        for c in codec.CODE_CODECS:
+            blob = codec.compress(arr, c, codec.CODE_LEVEL)
+            assert blob == whole[c], c
+            if codec._can_win(c, codec.byte_counts(arr)) and n:
+                np.testing.assert_array_equal(codec.decompress_array(blob, c, n), arr)
