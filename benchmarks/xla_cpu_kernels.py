@@ -10,6 +10,9 @@ A synthetic params-only state (bench_handler.py's: four Student-t matrices of 40
   element (what `quantize.proxy_ratio` runs unless a plain sum comes out non-finite);
 - which of 254 cells the uint8 codes of 63 uniform cells take: a scatter of every code, against the range of the
   codes (`quantize._taken_range`: two reductions);
+- that range where nothing is pruned or protected (a residual's codes): reductions over the codes masked to the
+  quantized values, against plain reductions over the codes (what `_taken_range` runs without pruning, and
+  where no protected code is present), alone and inside the encode of a 63-cell residual configuration;
 - the encode of a 63-cell residual configuration (`quantize.encode_on_device`) with the alike tensors stacked into
   one call, against each tensor of `quantize.ALONE_FROM` values or more encoded by a call of its own;
 - packing 25M-value streams of 9 values two to a byte (`codec._pack`, the ranks' relabelling folded in) digit by
@@ -69,12 +72,25 @@ def main(argv=None):
     ranged = jax.jit(lambda c: quantize._taken_range(c, jnp.int32(63), 254))
     rows.append(("taken cells of 63", "scatter of every code", best(lambda: scatter(codes)),
                  "range of the codes", best(lambda: ranged(codes))))
+    plain_range = jax.jit(lambda c: quantize._taken_range(c, jnp.int32(63), 254, False))
+    rows.append(("range of 63 cells' codes, nothing pruned", "masked reductions", best(lambda: ranged(codes)),
+                 "plain reductions", best(lambda: plain_range(codes))))
 
     def encode():
         return [d.codes for d in quantize.encode_on_device(xs, [None] * len(xs), ["dense"] * len(xs), q, cfg,
                                                           offsets=offs, sigma=quantize.RESIDUAL_SIGMA)]
 
     alone_s = best(encode)
+    taken = quantize._taken_range
+    quantize._taken_range = lambda code, bins, capacity, pruned=True: taken(code, bins, capacity, True)
+    jax.clear_caches()  # the encoder traced again, with the masked reductions
+    try:
+        masked_s = best(encode)
+    finally:
+        quantize._taken_range = taken
+        jax.clear_caches()
+    rows.append(("encode, 63 cells, nothing pruned", "range by masked reductions", masked_s,
+                 "range by plain reductions", alone_s))
     alone_from = quantize.ALONE_FROM
     quantize.ALONE_FROM = 1 << 62  # every tensor in the joint, stacked call
     try:

@@ -303,7 +303,7 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
             centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins[t], step, kind.capacity))(part.counts)
         else:
             centres, widths = fitted[t], jnp.zeros(n, jnp.float32)
-        out.append(_level_codes(part, kind, centres, widths, bins[t], uniform))
+        out.append(_level_codes(part, kind, centres, widths, bins[t], uniform, prunes))
     return out
 
 
@@ -499,9 +499,10 @@ def bf16_table(t: jax.Array, limit) -> jax.Array:
     return jnp.where(jnp.abs(nearest) <= limit, nearest, down)
 
 
-def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool):
+def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool, prunes: bool = True):
     """Codes, levels and in-place protected values of one type's tensors quantized to k-means levels or to a
-    uniform quantizer's cells (`uniform`; `widths` per tensor): per bucket of `kind.buckets`, each stacked."""
+    uniform quantizer's cells (`uniform`; `widths` per tensor): per bucket of `kind.buckets`, each stacked.
+    `prunes` False: no value is pruned (no code 0; `_taken_range`)."""
     used = jnp.arange(kind.capacity) < bins
     out = []
     row = 0
@@ -516,7 +517,7 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
         if uniform:  # a cell outside the range the values take is never decoded: stored as 0 (the records of
             # 63 cells stay short). The range from two reductions, not a scatter of every value into the cells
             # (6.7x slower at 100M values on XLA's CPU backend: benchmarks/results/xla_cpu_kernels.md).
-            c = jnp.where(_taken_range(code, bins, kind.capacity), c, 0.0)
+            c = jnp.where(_taken_range(code, bins, kind.capacity, prunes), c, 0.0)
         out.append((code, jnp.where(used, c, 0.0), _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
     return out
@@ -528,15 +529,27 @@ def _largest(dtype) -> float:
     return float(jnp.finfo(dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32).max)
 
 
-def _taken_range(code, bins, capacity: int):
+def _taken_range(code, bins, capacity: int, pruned: bool = True):
     """Per stacked tensor (leading axis) of uint8 `code`s, which of the `capacity` cells (codes 1..capacity) lie
     between the lowest and the highest code of a quantized value (1..`bins`: not pruned, not protected) that it
-    holds: (tensors, capacity) bool, all False for a tensor with none. Reduced over the uint8 codes: over int32
-    levels XLA's CPU backend wrote each select out in full first."""
+    holds: (tensors, capacity) bool, all False for a tensor with none. `pruned` False: no code is 0 (nothing
+    pruned), so the lowest code of all is the lowest of a quantized value, or a protected code (bins + 1) where
+    there is none.
+
+    Reduced over the uint8 codes as they are wherever that is exact: XLA's CPU backend writes a reduction's
+    elementwise input (a select) out in full before reducing it, one more pass and buffer of the codes' size for
+    each bound (benchmarks/results/xla_cpu_kernels.md times both, alone and inside a residual's encode). The
+    highest code is a quantized value's unless a protected one is present (a non-finite value, or protection);
+    only then (a `lax.cond`: one branch runs) is it taken over the codes other than the protected one."""
     axes = tuple(range(1, code.ndim))
     top = bins.astype(jnp.uint8)
-    lo = jnp.min(jnp.where((code >= 1) & (code <= top), code, jnp.uint8(255)), axis=axes).astype(jnp.int32)
-    hi = jnp.max(jnp.where(code <= top, code, jnp.uint8(0)), axis=axes).astype(jnp.int32)
+    if pruned:
+        lo = jnp.min(jnp.where((code >= 1) & (code <= top), code, jnp.uint8(255)), axis=axes).astype(jnp.int32)
+    else:
+        lo = jnp.min(code, axis=axes).astype(jnp.int32)
+    highest = jnp.max(code, axis=axes)
+    hi = jax.lax.cond(jnp.all(highest <= top), lambda: highest,
+                      lambda: jnp.max(jnp.where(code <= top, code, jnp.uint8(0)), axis=axes)).astype(jnp.int32)
     slot = jnp.arange(1, capacity + 1)
     return (slot >= lo[:, None]) & (slot <= hi[:, None])
 

@@ -519,3 +519,24 @@ def test_large_tensors_of_uniform_levels_without_pruning_encode_alone_with_the_s
         np.testing.assert_array_equal(a.centres, b.centres)
         assert a.protected.tobytes() == b.protected.tobytes()
     assert np.isnan(joint[0].protected).sum() == 1
+
+
+@settings(deadline=None, max_examples=40)
+@given(st.integers(1, 3), st.integers(1, 200), st.integers(1, 62), st.booleans(), st.floats(0.0, 1.0),
+                  st.integers(0, 2**31 - 1))
+def test_the_range_of_the_codes_is_that_of_the_quantized_values(tensors, n, bins, pruned, protected, seed):
+    """`quantize._taken_range` per stacked tensor: the cells between the lowest and the highest code of a
+    quantized value (1..bins), whatever pruned (0, only where `pruned`) and protected (bins + 1) codes it holds
+    besides, and none for a tensor without one; the uint8 reductions without a select (nothing pruned, nothing
+    protected) give what the masked ones give."""
+    rng = np.random.default_rng(seed)
+    code = rng.integers(1 if not pruned else 0, bins + 1, (tensors, n))
+    code[rng.random(code.shape) < protected] = bins + 1
+    code = code.astype(np.uint8)
+    got = np.asarray(jax.jit(quantize._taken_range, static_argnums=(2, 3))(
+        jnp.asarray(code), jnp.int32(bins), 63, pruned))
+    for t in range(tensors):
+        q = code[t][(code[t] >= 1) & (code[t] <= bins)]
+        slot = np.arange(1, 64)
+        want = (slot >= q.min()) & (slot <= q.max()) if q.size else np.zeros(63, bool)
+        np.testing.assert_array_equal(got[t], want)
