@@ -12,7 +12,9 @@ A synthetic params-only state (bench_handler.py's: four Student-t matrices of 40
   codes (`quantize._taken_range`: two reductions);
 - that range where nothing is pruned or protected (a residual's codes): reductions over the codes masked to the
   quantized values, against plain reductions over the codes (what `_taken_range` runs without pruning, and
-  where no protected code is present), alone and inside the encode of a 63-cell residual configuration;
+  where no protected code is present); and in the encode of a 63-cell residual configuration, masked or plain
+  reductions inside the encoder's kernel, against plain ones in a call of their own over the codes it returns
+  (`quantize._encode_alone`);
 - the encode of a 63-cell residual configuration (`quantize.encode_on_device`) with the alike tensors stacked into
   one call, against each tensor of `quantize.ALONE_FROM` values or more encoded by a call of its own;
 - packing 25M-value streams of 9 values two to a byte (`codec._pack`, the ranks' relabelling folded in) digit by
@@ -81,16 +83,25 @@ def main(argv=None):
                                                           offsets=offs, sigma=quantize.RESIDUAL_SIGMA)]
 
     alone_s = best(encode)
-    taken = quantize._taken_range
-    quantize._taken_range = lambda code, bins, capacity, pruned=True: taken(code, bins, capacity, True)
-    jax.clear_caches()  # the encoder traced again, with the masked reductions
+
+    def in_kernel(*a, **kw):  # the range reduced inside the encoder's kernel
+        [[(c, lv, v)]] = quantize._encode(*a, **kw)
+        return c[0], lv[0], v[0]
+
+    taken, alone = quantize._taken_range, quantize._encode_alone
+    quantize._encode_alone = in_kernel
     try:
-        masked_s = best(encode)
-    finally:
-        quantize._taken_range = taken
         jax.clear_caches()
-    rows.append(("encode, 63 cells, nothing pruned", "range by masked reductions", masked_s,
-                 "range by plain reductions", alone_s))
+        plain_in_s = best(encode)
+        quantize._taken_range = lambda code, bins, capacity, pruned=True: taken(code, bins, capacity, True)
+        jax.clear_caches()  # the encoder traced again, with the masked reductions
+        masked_in_s = best(encode)
+    finally:
+        quantize._taken_range, quantize._encode_alone = taken, alone
+        jax.clear_caches()
+    for avoided, t in (("masked reductions in the kernel", masked_in_s), ("plain reductions in the kernel", plain_in_s)):
+        rows.append(("encode, 63 cells, nothing pruned: the codes' range", avoided, t,
+                     "plain reductions, a call of their own", alone_s))
     alone_from = quantize.ALONE_FROM
     quantize.ALONE_FROM = 1 << 62  # every tensor in the joint, stacked call
     try:

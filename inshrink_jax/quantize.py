@@ -243,9 +243,9 @@ class Kind(NamedTuple):
 
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
-                                             "protects", "prunes"))
+                                             "protects", "prunes", "ranged"))
 def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
-            kinds, spec, sigma, iters, tol, restarts, uniform, protects, prunes):
+            kinds, spec, sigma, iters, tol, restarts, uniform, protects, prunes, ranged=True):
     """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor:
     `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`); the tensors of one type
     share the prune threshold. The configuration is traced, not static, so one compiled kernel serves every
@@ -259,7 +259,8 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
     configuration without pruning skips at run time anyway: the same codes, a smaller kernel to compile for the
     first closed-loop residual save of a process). A tensor with an offset is encoded as its residual
     x - offset (its prune and protect scores are then those of the change against the offset); with `factors`
-    as well (weighting.py), as the weighted residual (x - offset) / M.
+    as well (weighting.py), as the weighted residual (x - offset) / M. `ranged` (static) False: uniform cells
+    outside the range of the codes keep their levels (`_encode_alone` zeroes them in a call of its own).
 
     One kernel for the whole state: the k-means of every tensor of every type runs as one batched call (two with
     embedding tables, which have a bin count of their own), so its iteration overhead is paid once and XLA
@@ -303,7 +304,7 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
             centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins[t], step, kind.capacity))(part.counts)
         else:
             centres, widths = fitted[t], jnp.zeros(n, jnp.float32)
-        out.append(_level_codes(part, kind, centres, widths, bins[t], uniform, prunes))
+        out.append(_level_codes(part, kind, centres, widths, bins[t], uniform, prunes, ranged))
     return out
 
 
@@ -499,10 +500,12 @@ def bf16_table(t: jax.Array, limit) -> jax.Array:
     return jnp.where(jnp.abs(nearest) <= limit, nearest, down)
 
 
-def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool, prunes: bool = True):
+def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: bool, prunes: bool = True,
+                 ranged: bool = True):
     """Codes, levels and in-place protected values of one type's tensors quantized to k-means levels or to a
     uniform quantizer's cells (`uniform`; `widths` per tensor): per bucket of `kind.buckets`, each stacked.
-    `prunes` False: no value is pruned (no code 0; `_taken_range`)."""
+    `prunes` False: no value is pruned (no code 0; `_taken_range`). `ranged` False: a uniform quantizer's cells
+    outside the range of the codes keep their levels (the caller zeroes them: `_encode_alone`)."""
     used = jnp.arange(kind.capacity) < bins
     out = []
     row = 0
@@ -514,7 +517,7 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
         level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
-        if uniform:  # a cell outside the range the values take is never decoded: stored as 0 (the records of
+        if uniform and ranged:  # a cell outside the range the values take is never decoded: stored as 0 (the records of
             # 63 cells stay short). The range from two reductions, not a scatter of every value into the cells
             # (6.7x slower at 100M values on XLA's CPU backend: benchmarks/results/xla_cpu_kernels.md).
             c = jnp.where(_taken_range(code, bins, kind.capacity, prunes), c, 0.0)
@@ -811,10 +814,29 @@ ALONE_FROM = threshold.MAP_MIN_SIZE
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
                                              "protects", "prunes"))
-def _encode_alone(*args, **kwargs):
-    """`_encode` of one tensor: its (codes, levels, protected values in place), not stacked."""
-    [[(codes, levels, in_place)]] = _encode(*args, **kwargs)
+def _encode_one(*args, **kwargs):
+    """`_encode` of one tensor, its uniform cells outside the range of the codes not zeroed: (codes, levels,
+    protected values in place), not stacked."""
+    [[(codes, levels, in_place)]] = _encode(*args, ranged=False, **kwargs)
     return codes[0], levels[0], in_place[0]
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "pruned"))
+def _outside_range_zeroed(codes, levels, bins, *, capacity: int, pruned: bool):
+    """`levels` with the cells outside the range of `codes` (`_taken_range`) set to 0."""
+    return jnp.where(_taken_range(codes[None], bins, capacity, pruned)[0], levels, 0.0)
+
+
+def _encode_alone(*args, **kwargs):
+    """`_encode` of one tensor (uniform cells: `encode_on_device`'s `separate`): its (codes, levels, protected
+    values in place), not stacked. The range of its codes is reduced by a second call over the codes the first
+    returns: inside one kernel, XLA's CPU backend computed the codes twice, once into the output and once more
+    for the reductions (benchmarks/results/xla_cpu_kernels.md)."""
+    codes, levels, in_place = _encode_one(*args, **kwargs)
+    if kwargs["uniform"]:
+        levels = _outside_range_zeroed(codes, levels, args[4][0], capacity=kwargs["kinds"][0].capacity,
+                                       pruned=kwargs["prunes"])
+    return codes, levels, in_place
 
 
 def _kinds_of(xs, gs, layer_types, quant: QuantConfig, cfg: CompressionConfig, offsets, factors,

@@ -523,7 +523,7 @@ def test_large_tensors_of_uniform_levels_without_pruning_encode_alone_with_the_s
 
 @settings(deadline=None, max_examples=40)
 @given(st.integers(1, 3), st.integers(1, 200), st.integers(1, 62), st.booleans(), st.floats(0.0, 1.0),
-                  st.integers(0, 2**31 - 1))
+       st.integers(0, 2**31 - 1))
 def test_the_range_of_the_codes_is_that_of_the_quantized_values(tensors, n, bins, pruned, protected, seed):
     """`quantize._taken_range` per stacked tensor: the cells between the lowest and the highest code of a
     quantized value (1..bins), whatever pruned (0, only where `pruned`) and protected (bins + 1) codes it holds
