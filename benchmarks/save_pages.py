@@ -106,7 +106,7 @@ def main(argv=None):
     kernels.append(("its decode, the new reconstruction (`dequantize_all`)", t))
     t, _ = timed(lambda: search.proxy_degradation(xs, deq, [None] * len(xs), offs))
     kernels.append(("its proxy (`proxy_degradation`)", t))
-    del devs, deq
+    devs = deq = None  # their buffers freed before the saves
 
     sampled, sampled_sizes = saves(state, args.saves, exact=False)
     exact, exact_sizes = saves(state, args.saves, exact=True)
