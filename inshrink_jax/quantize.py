@@ -517,9 +517,10 @@ def _level_codes(part: _Partition, kind: Kind, centres, widths, bins, uniform: b
         level = 1 + (jax.vmap(lambda v, w: uniform_cell(v, w, bins))(x32, width) if uniform
                      else jax.vmap(kmeans.assign)(x32, c))
         code = jnp.where(p, bins + 1, jnp.where(q, PRUNED, level)).astype(jnp.uint8)
-        if uniform and ranged:  # a cell outside the range the values take is never decoded: stored as 0 (the records of
-            # 63 cells stay short). The range from two reductions, not a scatter of every value into the cells
-            # (6.7x slower at 100M values on XLA's CPU backend: benchmarks/results/xla_cpu_kernels.md).
+        if uniform and ranged:  # a cell outside the range the values take is never decoded: stored as 0 (the
+            # records of 63 cells stay short). The range from two reductions, not a scatter of every value into
+            # the cells (several times slower at 100M values on XLA's CPU backend:
+            # benchmarks/results/xla_cpu_kernels.md).
             c = jnp.where(_taken_range(code, bins, kind.capacity, prunes), c, 0.0)
         out.append((code, jnp.where(used, c, 0.0), _in_place(x, p, kind.out_dtypes[b[0]])))
         row += len(b)
