@@ -232,8 +232,8 @@ def _ranks(arr: np.ndarray, alphabet: np.ndarray, other: int) -> np.ndarray:
     """Each byte's index in `alphabet` (ascending uint8 values), `other` for a byte not in it: a table lookup, not
     a search per byte."""
     table, out = _rank_table(alphabet, other), np.empty(arr.size, np.uint8)
-    for i in range(0, arr.size, _BLOCK):
-        np.take(table, arr[i:i + _BLOCK], out=out[i:i + _BLOCK])
+    for i in range(0, arr.size, _BLOCK):  # "clip": a uint8 index is within the table; "raise" would buffer `out`
+        np.take(table, arr[i:i + _BLOCK], out=out[i:i + _BLOCK], mode="clip")
     return out
 
 
@@ -262,13 +262,13 @@ def _pack(arr: np.ndarray, base: int, relabel: np.ndarray | None = None) -> np.n
         words = arr[:even].view("<u2")
         for i in range(0, words.size, _BLOCK):
             block = words[i:i + _BLOCK]
-            np.take(pairs, block, out=out[i:i + block.size])
+            np.take(pairs, block, out=out[i:i + block.size], mode="clip")  # within the 65,536 pairs
         if arr.size % 2:
             out[-1] = digit[arr[-1]]
         return out
     step = max(_BLOCK // per, 1) * per
     for i in range(0, arr.size, step):
-        block = arr[i:i + step] if relabel is None else np.take(relabel, arr[i:i + step])
+        block = arr[i:i + step] if relabel is None else np.take(relabel, arr[i:i + step], mode="clip")
         if block.size % per:  # the last block: zeros fill its last byte
             block = np.concatenate([block, np.zeros(per - block.size % per, np.uint8)])
         digits = block.reshape(-1, per)  # least significant first; Horner's rule in uint8 (base ** per <= 256)

@@ -828,15 +828,15 @@ def _outside_range_zeroed(codes, levels, bins, *, capacity: int, pruned: bool):
     return jnp.where(_taken_range(codes[None], bins, capacity, pruned)[0], levels, 0.0)
 
 
-def _encode_alone(*args, **kwargs):
+def _encode_alone(xs, gs, offsets, factors, bins, *args, **kwargs):
     """`_encode` of one tensor (uniform cells: `encode_on_device`'s `separate`): its (codes, levels, protected
     values in place), not stacked. The range of its codes is reduced by a second call over the codes the first
     returns: inside one kernel, XLA's CPU backend computed the codes twice, once into the output and once more
     for the reductions (benchmarks/results/xla_cpu_kernels.md)."""
-    codes, levels, in_place = _encode_one(*args, **kwargs)
+    codes, levels, in_place = _encode_one(xs, gs, offsets, factors, bins, *args, **kwargs)
     if kwargs["uniform"]:
-        levels = _outside_range_zeroed(codes, levels, args[4][0], capacity=kwargs["kinds"][0].capacity,
-                                       pruned=kwargs["prunes"])
+        [kind], [b] = kwargs["kinds"], bins
+        levels = _outside_range_zeroed(codes, levels, b, capacity=kind.capacity, pruned=kwargs["prunes"])
     return codes, levels, in_place
 
 
