@@ -10,17 +10,16 @@ pairs) and a residual's with a rare tail (12 cells: "zstd-escape"). Each kernel 
 threads at once (a save encodes two shards at a time, `CompressionConfig.encode_threads`), each the median of
 `--rounds` rounds that alternate the two settings. Then the state of bench_handler.py (four Student-t matrices
 of 4096 columns, `--params` parameters) saved through a CheckpointManager with the default CompressionConfig:
-a keyframe, then four residual saves (each after a drift of every weight by 1e-3 of its tensor's std), per
-setting and round alternately: the median residual save's wall seconds, its process CPU seconds (user and
-system) and fresh memory pages (minor faults), and Orbax's StandardCheckpointer on the same state in the same
-rounds. The directories are under --dir (default: the system's temporary directory).
+a keyframe, then four residual saves (each after a drift of every weight by 1e-3 of its tensor's std:
+bench_handler.save_chain), per setting and round alternately: the median residual save's wall seconds, its process
+CPU seconds (user and system) and fresh memory pages (minor faults), and Orbax's StandardCheckpointer saving the
+state five times in the same rounds (the last four). The directories are under --dir (default: the system's temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -40,7 +39,6 @@ WHOLE = 1 << 62  # `codec._BLOCK` past any stream: one pass over the whole strea
 STREAMS = {"residual codes, 3 cells": [0.2, 0.6, 0.2],
            "keyframe codes, 16 levels": list(np.full(16, 1 / 16)),
            "residual codes, 12 cells, rare tail": [0.3, 0.3, 0.15, 0.15, 0.05, 0.03] + [0.02 / 6] * 6}
-PAGE = resource.getpagesize()
 
 
 def kernels(a: np.ndarray) -> dict:
@@ -67,38 +65,31 @@ def on_threads(f, threads: int) -> float:
     return time.perf_counter() - t0
 
 
-def usage():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return np.array([time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt * PAGE / 1e6])
-
-
 def state_saves(params: float, rounds: int, root: str) -> dict:
-    """Per setting ("whole", "blocks", "orbax"): [wall, user, system, fresh MB] of each residual save (Orbax: each
-    save after its first), over `rounds` alternating rounds."""
-    import jax
+    """Per setting ("whole", "blocks", "orbax"): `report.usage` differences ([wall, user, system, fresh MB]) of
+    each residual save after a chain's keyframe (bench_handler.save_chain; Orbax: each save after its first of
+    the same state), over `rounds` alternating rounds."""
     import orbax.checkpoint as ocp
 
     import inshrink_jax as ij
-    from bench_handler import synthetic
+    from bench_handler import save_chain, synthetic
 
     state0 = synthetic(int(params))
     block, out = codec._BLOCK, {"whole": [], "blocks": [], "orbax": []}
-    for r in range(rounds):
+    for _ in range(rounds):
         for name in ("whole", "blocks", "orbax"):
             codec._BLOCK = WHOLE if name == "whole" else block
             path = tempfile.mkdtemp(dir=root)
-            mngr = (ocp.CheckpointManager(path) if name == "orbax" else
-                    ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig())))
-            state, key = state0, jax.random.PRNGKey(r)
-            for step in range(5):
-                jax.block_until_ready(state)
-                a = usage()
-                mngr.save(step, args=ocp.args.StandardSave(state) if name == "orbax" else ij.InshrinkSave(state))
-                mngr.wait_until_finished()
-                if step:
-                    out[name].append(usage() - a)
-                key, sub = jax.random.split(key)
-                state = jax.tree.map(lambda x: x + 1e-3 * jax.numpy.std(x) * jax.random.normal(sub, x.shape), state)
+            if name == "orbax":
+                mngr = ocp.CheckpointManager(path)
+                for step in range(5):
+                    a = report.usage()
+                    mngr.save(step, args=ocp.args.StandardSave(state0))
+                    mngr.wait_until_finished()
+                    out[name] += [report.usage() - a] if step else []
+            else:
+                mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()))
+                out[name] += save_chain(mngr, state0, 4, clock=report.usage)[1][1:]
             mngr.close()
             shutil.rmtree(path)
     codec._BLOCK = block

@@ -14,7 +14,7 @@ read when a process starts, so each setting runs in processes of its own; both s
 
 Per process and size: bench_handler.py's synthetic state (four Student-t matrices of 4096 columns), a chain of 10
 saves with `CompressionConfig(keyframe_every=10)` (each after a drift of every weight by 1e-3 of its tensor's
-std): the median of the residual saves after the first (save() until written), then restores of the keyframe and
+std: bench_handler.save_chain): the median of the residual saves after the first (save() until written), then restores of the keyframe and
 of the deepest delta (best of 2, a fresh manager each); Orbax's StandardCheckpointer saving the same state 3 times
 (the median of the last 2) and restoring it (best of 2). Process CPU seconds (user + system) and fresh memory (minor
 faults times the page size) of the residual saves, per save. Medians over the rounds' processes. Directories under
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -42,32 +41,18 @@ TUNABLE = "glibc.malloc.hugetlb=1"
 DEPTH = 9  # deltas after the keyframe: keyframe_every = DEPTH + 1
 
 
-def usage():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), r.ru_utime + r.ru_stime, r.ru_minflt * resource.getpagesize() / 1e6
-
-
 def worker(n: int, root: str) -> dict:
     import jax
     import orbax.checkpoint as ocp
 
     import inshrink_jax as ij
-    from bench_handler import synthetic
+    from bench_handler import save_chain, synthetic
 
     state0 = synthetic(n)
     cfg = ij.CompressionConfig(keyframe_every=DEPTH + 1)
     path = tempfile.mkdtemp(dir=root)
     mngr = ocp.CheckpointManager(os.path.join(path, "c"), item_handlers=ij.InshrinkCheckpointHandler(cfg))
-    state, key, saves = state0, jax.random.PRNGKey(0), []
-    for step in range(DEPTH + 1):
-        jax.block_until_ready(state)
-        a = usage()
-        mngr.save(step, args=ij.InshrinkSave(state))
-        mngr.wait_until_finished()
-        b = usage()
-        saves.append([y - x for x, y in zip(a, b)])
-        key, sub = jax.random.split(key)
-        state = jax.tree.map(lambda x: x + 1e-3 * jax.numpy.std(x) * jax.random.normal(sub, x.shape), state)
+    saves = save_chain(mngr, state0, DEPTH, clock=report.usage)[1]  # [wall, user, system, fresh MB] each
     mngr.close()
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state0)
     restores = {}
@@ -95,8 +80,8 @@ def worker(n: int, root: str) -> dict:
     orbax.close()
     shutil.rmtree(path)
     later = saves[2:]  # residual saves after the first (which compiles the residual kernels)
-    return {"save": statistics.median(s[0] for s in later), "cpu": statistics.median(s[1] for s in later),
-            "fresh_mb": statistics.median(s[2] for s in later), "keyframe_restore": restores[0],
+    return {"save": statistics.median(s[0] for s in later), "cpu": statistics.median(s[1] + s[2] for s in later),
+            "fresh_mb": statistics.median(s[3] for s in later), "keyframe_restore": restores[0],
             "deep_restore": restores[DEPTH], "orbax_save": statistics.median(orbax_saves[1:]),
             "orbax_restore": orbax_restore}
 
@@ -114,7 +99,8 @@ def main(argv=None):
         return
     settings = {"glibc default": None, TUNABLE: TUNABLE}
     try:
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
     except OSError:
         thp = "not readable"
     lines = ["# Large saves and restores on the CPU: glibc's default malloc against transparent huge pages", "",

@@ -1,7 +1,8 @@
 """Shared by the benchmark scripts: print a markdown result table and optionally keep it in a file; sizes of
-files on disk; timings of repeated calls."""
+files on disk; timings of repeated calls; a process's time and fresh memory."""
 
 import os
+import resource
 import time
 
 import jax
@@ -35,3 +36,11 @@ def call_seconds(fn, repeats: int, warm_up: bool = True) -> list[float]:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t)
     return times
+
+
+def usage():
+    """[wall seconds, user CPU seconds, system CPU seconds, fresh memory MB (minor page faults times the page
+    size)] of this process so far, as an array: the difference of two readings is what happened between them."""
+    import numpy as np
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return np.array([time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt * resource.getpagesize() / 1e6])

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import tempfile
-import time
 
 import jax
 import orbax.checkpoint as ocp
@@ -36,22 +34,15 @@ import inshrink_jax as ij  # noqa: E402
 from inshrink_jax import quantize, search  # noqa: E402
 from inshrink_jax.config import QuantConfig  # noqa: E402
 
-PAGE = resource.getpagesize()
-
-
-def usage():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), r.ru_utime, r.ru_stime, r.ru_minflt
-
 
 def timed(f, repeats: int = 2):
     """(wall, user, system seconds, fresh MB) of the last of `repeats` calls after one warm-up, and its result."""
     out = jax.block_until_ready(f())
     for _ in range(repeats):
-        a = usage()
+        a = report.usage()
         out = jax.block_until_ready(f())
-        b = usage()
-    return (b[0] - a[0], b[1] - a[1], b[2] - a[2], (b[3] - a[3]) * PAGE / 1e6), out
+        b = report.usage()
+    return tuple(b - a), out
 
 
 def saves(state, n: int, exact: bool):
@@ -63,11 +54,11 @@ def saves(state, n: int, exact: bool):
     key, rows = jax.random.PRNGKey(0), []
     for step in range(n):
         jax.block_until_ready(state)
-        a = usage()
+        a = report.usage()
         mngr.save(step, args=ij.InshrinkSave(state))
         mngr.wait_until_finished()
-        b = usage()
-        rows.append((b[0] - a[0], b[1] - a[1], b[2] - a[2], (b[3] - a[3]) * PAGE / 1e6))
+        b = report.usage()
+        rows.append(tuple(b - a))
         if exact:
             search.SEARCH_SAMPLE = sum(x.size for x in jax.tree.leaves(state))
         key, sub = jax.random.split(key)
@@ -112,11 +103,11 @@ def main(argv=None):
     exact, exact_sizes = saves(state, args.saves, exact=True)
     std, orbax = ocp.StandardCheckpointer(), []
     for i in range(3):
-        a = usage()
+        a = report.usage()
         std.save(tempfile.mkdtemp() + "/s", state)
         std.wait_until_finished()
-        b = usage()
-        orbax.append((b[0] - a[0], b[1] - a[1], b[2] - a[2], (b[3] - a[3]) * PAGE / 1e6))
+        b = report.usage()
+        orbax.append(tuple(b - a))
 
     def median(rows):
         return tuple(statistics.median(r[k] for r in rows) for k in range(4))
