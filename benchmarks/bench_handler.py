@@ -108,16 +108,17 @@ def chain_restore(state, tmp, depth, repeats, config: dict):
     return times[0], times[depth], sizes, save_s
 
 
-def save_chain(mngr, state, depth: int, clock=time.perf_counter):
-    """Steps 0..`depth` of `state` saved through `mngr`, each save followed by a drift of every weight by 1e-3 of
-    its tensor's std (as training moves weights between checkpoints): (the last state, each save's `clock()`
-    difference from save() until written: seconds by default; `report.usage` gives time, CPU and fresh memory)."""
+def save_chain(mngr, state, depth: int, clock=time.perf_counter, save_args=ij.InshrinkSave):
+    """Steps 0..`depth` of `state` saved through `mngr` (as `save_args(state)`; ocp.args.StandardSave for Orbax's
+    handler), each save followed by a drift of every weight by 1e-3 of its tensor's std (as training moves weights
+    between checkpoints): (the last state, each save's `clock()` difference from save() until written: seconds by
+    default; `report.usage` gives time, CPU and fresh memory)."""
     key = jax.random.PRNGKey(0)
     save_s = []
     for step in range(depth + 1):
         jax.block_until_ready(state)  # the drift's device work is not the save's
         t0 = clock()
-        mngr.save(step, args=ij.InshrinkSave(state))
+        mngr.save(step, args=save_args(state))
         mngr.wait_until_finished()
         save_s.append(clock() - t0)
         key, sub = jax.random.split(key)

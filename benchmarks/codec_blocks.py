@@ -13,7 +13,7 @@ of 4096 columns, `--params` parameters) saved through a CheckpointManager with t
 a keyframe, then four residual saves (each after a drift of every weight by 1e-3 of its tensor's std:
 bench_handler.save_chain), per setting and round alternately: the median residual save's wall seconds, its process
 CPU seconds (user and system) and fresh memory pages (minor faults), and Orbax's StandardCheckpointer saving the
-state five times in the same rounds (the last four). The directories are under --dir (default: the system's temporary directory).
+same chain of states in the same rounds (the last four). The directories are under --dir (default: the system's temporary directory).
 """
 
 from __future__ import annotations
@@ -67,8 +67,8 @@ def on_threads(f, threads: int) -> float:
 
 def state_saves(params: float, rounds: int, root: str) -> dict:
     """Per setting ("whole", "blocks", "orbax"): `report.usage` differences ([wall, user, system, fresh MB]) of
-    each residual save after a chain's keyframe (bench_handler.save_chain; Orbax: each save after its first of
-    the same state), over `rounds` alternating rounds."""
+    each save after a chain's first (bench_handler.save_chain: residual saves; Orbax's saves of the same drifting
+    states), over `rounds` alternating rounds."""
     import orbax.checkpoint as ocp
 
     import inshrink_jax as ij
@@ -80,16 +80,10 @@ def state_saves(params: float, rounds: int, root: str) -> dict:
         for name in ("whole", "blocks", "orbax"):
             codec._BLOCK = WHOLE if name == "whole" else block
             path = tempfile.mkdtemp(dir=root)
-            if name == "orbax":
-                mngr = ocp.CheckpointManager(path)
-                for step in range(5):
-                    a = report.usage()
-                    mngr.save(step, args=ocp.args.StandardSave(state0))
-                    mngr.wait_until_finished()
-                    out[name] += [report.usage() - a] if step else []
-            else:
-                mngr = ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()))
-                out[name] += save_chain(mngr, state0, 4, clock=report.usage)[1][1:]
+            mngr = (ocp.CheckpointManager(path) if name == "orbax" else
+                    ocp.CheckpointManager(path, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig())))
+            out[name] += save_chain(mngr, state0, 4, clock=report.usage,
+                                    save_args=ocp.args.StandardSave if name == "orbax" else ij.InshrinkSave)[1][1:]
             mngr.close()
             shutil.rmtree(path)
     codec._BLOCK = block
