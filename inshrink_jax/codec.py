@@ -283,7 +283,7 @@ def _pack(arr: np.ndarray, base: int, relabel: np.ndarray | None = None) -> np.n
 # Host passes over a long stream (byte histograms, rank lookups, packing) go block by block: a block's temporaries
 # (np.take and np.bincount widen a uint8 or uint16 index to 64 bits) stay in cache and their pages are reused,
 # where a whole stream's are fresh pages at every pass. On 25M-value streams, one thread: byte_counts 2.1-2.2x,
-# "ranks" 1.7-2.4x and "zstd-escape" 1.9x as fast as one pass; a 100M-parameter residual save 1.21x
+# "ranks" 1.7-2.5x and "zstd-escape" 1.7x as fast as one pass; a 100M-parameter residual save 1.18x
 # (benchmarks/results/codec_blocks.md).
 _BLOCK = 1 << 18
 
