@@ -500,13 +500,19 @@ class Evaluator:
         [out] = self._evaluate([q], True)
         return out
 
+    def batched(self, quants: Sequence[QuantConfig]) -> bool:
+        """Whether these candidates are scored together without encoding them (closed-loop residuals on uniform
+        cells, nothing protected or pruned, in a state `scored`, no eval_fn: `_uniform_residuals`): a round of up
+        to `cfg.search_batch` of them then costs what one does."""
+        return self.eval_fn is None and self.references is not None and self.scored and all(
+            q.step > 0 and not (q.protect_fraction or q.prune_fraction or q.rate) for q in quants)
+
     def _evaluate(self, quants: Sequence[QuantConfig], encode: bool) -> list[tuple[float, list | None, list | None]]:
         """(degradation, payload, dequantized leaves or None) per candidate: the dequantized leaves are kept where
         `encode` and nothing but the proxy read them."""
         if self.eval_fn is not None:
             self.measure_baseline()
-        if not encode and self.eval_fn is None and self.references is not None and self.scored and all(
-                q.step > 0 and not (q.protect_fraction or q.prune_fraction or q.rate) for q in quants):
+        if not encode and self.batched(quants):
             return [(d, None, None) for d, _ in self._uniform_residuals(quants)]
         # Dispatch every candidate's encode first, then score them one by one (the proxy waits for its sums).
         sigma = None if self.references is None else quantize.RESIDUAL_SIGMA  # closed-loop residuals
@@ -623,20 +629,24 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
                           lambda p: estimated_ratio(cube.config(p, metrics[0]), sizes, bits),
                           None if residual else previous, cfg.metric_switch_margin, start=start)
 
+        def searched(ev: Evaluator, start: QuantConfig | None) -> Outcome:
+            outcome = run_search(ev, start)
+            if residual and outcome.quant is None:
+                # Nothing met residual_budget: finer cells than the space holds, the first that meets it, else
+                # the finest; never lossless (its error is a fraction of one interval's change and the next save
+                # carries it; a lossless save costs the whole tensor, 16 times an average save of the character
+                # transformer's fidelity run).
+                outcome = _finer_residual(ev, outcome, budget, cube, metrics[0], cfg.bins_capacity)
+            return outcome
+
         start = previous if residual and isinstance(previous, QuantConfig) else None
         sampled = _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe, residual,
                                      factors) if residual or (eval_fn is None and previous is None) else None
         if sampled is None:
-            outcome = run_search(evaluator, start)
+            outcome = searched(evaluator, start)
         else:  # a large state's first search, or residual save: on row samples, then the choice measured whole
-            outcome = _measured_whole(evaluator, run_search(sampled, start), budget, run_search)
+            outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched)
         top = cube.config(cube.top, metrics[0])  # the space's least aggressive configuration
-        if residual and outcome.quant is None:
-            # Nothing met residual_budget: finer cells than the space holds, the first that meets it, else the
-            # finest; never lossless (its error is a fraction of one interval's change and the next save
-            # carries it; a lossless save costs the whole tensor, 16 times an average save of the character
-            # transformer's fidelity run).
-            outcome = _finer_residual(evaluator, outcome, budget, cube, metrics[0], cfg.bins_capacity)
         if not residual and outcome.quant is None:
             outcome = _fine_keyframe(evaluator, outcome, budget, top)
         if checker is not evaluator:
@@ -718,12 +728,16 @@ def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets
 def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search) -> Outcome:
     """The sampled search's choice encoded and measured on the whole state (the outcome carries that
     measurement and encoding); when the whole state's proxy exceeds `budget` after all, the exact search runs,
-    starting from that choice (`search`'s `start`). Nothing feasible on the samples: the exact search decides."""
+    starting from that choice (`search`'s `start`). Nothing feasible on the samples: the exact search decides.
+    A residual save's finest levels (mode "least aggressive": nothing within the budget on the samples, not even
+    the finest cells `_finer_residual` offers) are kept as measured whole: the exact search could only end at
+    the same finest cells, after scoring the whole state's candidates one ladder at a time."""
     if sampled.quant is None:
         return run_search(evaluator, None)
     d, payload, decoded = evaluator.measure_whole(sampled.quant)
-    if d <= budget:
-        return dataclasses.replace(sampled, degradation=d, evaluations=sampled.evaluations + 1,
+    if d <= budget or sampled.mode == "least aggressive":
+        mode = "finer" if sampled.mode == "least aggressive" and d <= budget else sampled.mode
+        return dataclasses.replace(sampled, degradation=d, mode=mode, evaluations=sampled.evaluations + 1,
                                    rounds=sampled.rounds + 1, payload=payload, decoded=decoded)
     exact = run_search(evaluator, sampled.quant)
     return dataclasses.replace(exact, evaluations=exact.evaluations + sampled.evaluations + 1,
@@ -745,31 +759,35 @@ def _ladder(cube: Cube, q: QuantConfig, metric: str, capacity: int) -> list[Quan
 
 
 def _first_within(measure: Callable, ladder: Sequence[QuantConfig], budget: float,
-                  below: tuple[float, Any] | None = None) -> tuple[int, bool, dict]:
-    """Bisection for the most aggressive rung of `ladder` (ordered from most to least aggressive; its quality
-    assumed to rise along it) that `measure` (one configuration -> (degradation, payload)) finds within `budget`.
-    `below`: the (degradation, payload) of what comes before the ladder (measured over the budget), index -1.
-    Returns (the index to take: that rung, or where none is within, the measured one of least degradation;
-    whether it is within; index -> (degradation, payload) of every rung measured, `below` included). About
-    log2(len + 1) measurements, where a walk up the ladder took up to its length; where the measure is not
-    monotone (an eval_fn's reading of small perturbations), it ends at a rung within the budget whose more
-    aggressive neighbour measured over it."""
+                  below: tuple[float, Any] | None = None, per_round: int = 1) -> tuple[int, bool, dict, int]:
+    """The most aggressive rung of `ladder` (ordered from most to least aggressive; its quality assumed to rise
+    along it) that `measure` (configurations -> a (degradation, payload) each) finds within `budget`, by a search
+    that measures `per_round` rungs a round, spread evenly over the undecided stretch (1: bisection; more where a
+    round of several costs one call: `Evaluator.batched`). `below`: the (degradation, payload) of what comes
+    before the ladder (measured over the budget), index -1. Returns (the index to take: that rung, or where none
+    is within, the measured one of least degradation; whether it is within; index -> (degradation, payload) of
+    every rung measured, `below` included; rounds). About log_(per_round + 1)(len + 1) rounds, where a walk up
+    the ladder took up to its length; where the measure is not monotone (an eval_fn's reading of small
+    perturbations), it ends at a rung within the budget whose more aggressive neighbour measured over it."""
     lo, hi, measured = -1, len(ladder), ({} if below is None else {-1: below})
+    rounds = 0
 
     def chosen() -> int:
         return hi if hi < len(ladder) else min(measured, key=lambda i: (measured[i][0], -i))
 
     while hi - lo > 1:
-        mid = (lo + hi) // 2
-        measured[mid] = measure(ladder[mid])
-        if measured[mid][0] <= budget:
-            hi = mid
-        else:
-            lo = mid
+        m = min(per_round, hi - lo - 1)
+        picks = sorted({lo + (j + 1) * (hi - lo) // (m + 1) for j in range(m)})  # m = 1: (lo + hi) // 2
+        for i, got in zip(picks, measure([ladder[i] for i in picks])):
+            measured[i] = got
+        rounds += 1
+        within = [i for i in picks if measured[i][0] <= budget]
+        hi = within[0] if within else hi
+        lo = max([lo] + [i for i in picks if i < hi])  # every pick before the first within is over the budget
         # Only the payload that can still be chosen is kept (a state's encoded arrays each).
         keep = chosen()
         measured = {i: (d, p if i == keep else None) for i, (d, p) in measured.items()}
-    return chosen(), hi < len(ladder), measured
+    return chosen(), hi < len(ladder), measured, rounds
 
 
 def _finer_residual(evaluator: "Evaluator", outcome: Outcome, budget: float, cube: Cube, metric: str,
@@ -781,10 +799,12 @@ def _finer_residual(evaluator: "Evaluator", outcome: Outcome, budget: float, cub
     least aggressive configuration where the encoder holds no finer levels)."""
     top = cube.config(cube.top, metric)  # measured by the search, over the budget
     ladder = _ladder(cube, top, metric, capacity) or [top]
-    k, within, measured = _first_within(lambda q: evaluator([q])[0], ladder, budget)
+    k, within, measured, rounds = _first_within(evaluator, ladder, budget,
+                                                per_round=evaluator.cfg.search_batch if evaluator.batched(ladder)
+                                                else 1)
     mode = "finer" if within and ladder[k] != top else "least aggressive"
     return Outcome(ladder[k], measured[k][0], mode, outcome.evaluations + len(measured),
-                   outcome.rounds + len(measured), measured[k][1])
+                   outcome.rounds + rounds, measured[k][1])
 
 
 def _guard(checker: "Evaluator", outcome: Outcome, cube: Cube, metric: str, epsilon: float,
@@ -807,10 +827,9 @@ def _guard(checker: "Evaluator", outcome: Outcome, cube: Cube, metric: str, epsi
     if first[0] <= epsilon:
         return Outcome(outcome.quant, first[0], outcome.mode, evaluations, rounds, first[1])
     ladder = _ladder(cube, outcome.quant, metric, capacity)
-    k, _, measured = _first_within(lambda q: checker([q])[0], ladder, epsilon, below=first)
-    more = len(measured) - 1
+    k, _, measured, more_rounds = _first_within(checker, ladder, epsilon, below=first)
     return Outcome(outcome.quant if k == -1 else ladder[k], measured[k][0], "guarded" if ladder else outcome.mode,
-                   evaluations + more, rounds + more, measured[k][1])
+                   evaluations + len(measured) - 1, rounds + more_rounds, measured[k][1])
 
 
 FINE_KEYFRAME_BINS = quantize.UNIFORM_SLOTS  # the most levels a uint8 code holds beside pruned and protected

@@ -661,28 +661,35 @@ def test_the_residual_cube_orders_quality_along_the_levels_only():
     assert RESIDUAL_CUBE.below((0, 1, 0, 0), top[:1] + (1, 0, 0)) and not RESIDUAL_CUBE.below((0, 1, 0, 0), top)
 
 
+@pytest.mark.parametrize("per_round", [1, 2, 4])
 @pytest.mark.parametrize("n", range(0, 13))
-def test_bisection_finds_the_most_aggressive_rung_within_the_budget(n):
+def test_the_ladder_search_finds_the_most_aggressive_rung_within_the_budget(n, per_round):
     """`search._first_within` over a ladder of n rungs whose quality rises along it, for every boundary (the
-    first rung within the budget; n: none): it returns that rung after at most ceil(log2(n + 1)) measurements, or
+    first rung within the budget; n: none), measuring `per_round` rungs a round: it returns that rung after at
+    most ceil(log_(per_round + 1)(n + 1)) rounds of at most `per_round` rungs each (per_round 1: bisection), or
     where none is within, the measured one of least degradation (the rung below the ladder included), keeping
     the payload of the returned one only."""
     for boundary in range(n + 1):
         calls = []
 
-        def measure(q):
-            calls.append(q)
-            return (0.5 if q >= boundary else 2.0 + q * 0.1 if q % 2 else 2.0 - q * 0.01), f"payload {q}"
+        def measure(qs):
+            assert 1 <= len(qs) <= per_round and list(qs) == sorted(set(qs))
+            calls.extend(qs)
+            return [((0.5 if q >= boundary else 2.0 + q * 0.1 if q % 2 else 2.0 - q * 0.01), f"payload {q}")
+                    for q in qs]
 
         below = (3.0, "payload below")
-        k, within, measured = search._first_within(measure, list(range(n)), 1.0, below=below)
+        k, within, measured, rounds = search._first_within(measure, list(range(n)), 1.0, below=below,
+                                                           per_round=per_round)
         assert within == (boundary < n) and measured[-1][0] == 3.0
         assert k == (boundary if boundary < n else min(measured, key=lambda i: measured[i][0]))
-        assert len(calls) == len(set(calls)) <= math.ceil(math.log2(n + 1))
+        bound = 0 if n == 0 else math.ceil(math.log(n + 1, per_round + 1) - 1e-9)
+        assert len(calls) == len(set(calls)) == len(measured) - 1 and rounds <= bound
         assert {i for i, (_, p) in measured.items() if p is not None} == {k}  # only the chosen payload kept
         if within:
             assert measured[k] == (0.5, f"payload {k}")
-        assert search._first_within(measure, [], 1.0, below=below)[:2] == (-1, False)
+            assert k == 0 or k - 1 in measured  # its more aggressive neighbour measured over the budget
+        assert search._first_within(measure, [], 1.0, below=below, per_round=per_round)[:2] == (-1, False)
 
 
 @pytest.mark.parametrize("passes_from, expected", [(2.0, 2.0), (3.0, 3.0), (1.0, 1.0), (0.5, 0.5), (0.1, 0.25)])
@@ -751,3 +758,42 @@ def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measure
     assert "sampled" not in exact_record and outcome.quant == exact.quant and exact.quant.step == 1.5
     # The sampled search's five candidates, its choice measured whole, then (misled) the exact search's.
     assert record["candidates"] > 6 if misled else record["candidates"] == 6
+
+
+def test_a_large_residual_save_goes_finer_on_row_samples_then_measures_the_choice_whole(monkeypatch):
+    """A large state's residual save whose space has nothing within the budget (epsilon 0.002: a budget of 0.04
+    of the residual's squared error, which cells of 1 RMS do not meet) looks for finer cells on the row samples
+    too (`_finer_residual` on the sampled evaluator, both rungs of its ladder in one round), then encodes that
+    choice once on the whole state: no candidate is scored on the whole state, and the choice is the exact
+    search's (the same save without sampling)."""
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
+    monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
+    rng = np.random.default_rng(1)
+    shapes = [(256, 64), (128, 96), (64,)]
+    offs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes]
+    xs = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3) for o, s in zip(offs, shapes)]
+    whole_size = sum(int(np.prod(s)) for s in shapes)
+    scored = []
+    scores = quantize.uniform_residual_scores
+
+    def spy(xs_, *a, **k):
+        scored.append(sum(int(np.prod(x.shape)) for x in xs_))
+        return scores(xs_, *a, **k)
+
+    monkeypatch.setattr(quantize, "uniform_residual_scores", spy)
+    cfg = ij.CompressionConfig(epsilon=0.002)
+
+    def run():
+        return search.choose(list(xs), None, [0, 1, 2], [None] * 3, ["dense", "dense", "other"], cfg, None, None,
+                             offsets=offs, residual=True)
+
+    outcome, record = run()
+    assert "sampled" in record and outcome.mode == "finer" and outcome.quant.step < 1.0
+    assert scored and all(n < whole_size for n in scored)  # every scoring on the samples
+    assert outcome.payload is not None and outcome.degradation <= cfg.effective_residual_budget
+    decoded = quantize.dequantize_all(outcome.payload, [x.dtype for x in xs])
+    assert outcome.degradation == pytest.approx(float(search.proxy_degradation(xs, decoded, [None] * 3, offs)),
+                                                rel=1e-6)
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 30)  # the exact search
+    exact, exact_record = run()
+    assert "sampled" not in exact_record and exact.mode == "finer" and exact.quant == outcome.quant
