@@ -180,8 +180,10 @@ class Outcome:
         state: this save is lossless, the next one searches from the previous choice); for a closed-loop
         residual save (`choose`) also "guarded" (eval_fn over epsilon: a less aggressive configuration, or a
         finer one beyond the residual space), "finer" (nothing in the residual space met residual_budget, finer
-        levels beyond it did) and "least aggressive" (nothing did: the finest); for any other save also "fine" (nothing in the
-        search space met the budget, a fine uniform quantizer did: `_fine_keyframe`).
+        levels beyond it did), "least aggressive" (nothing did: the finest) and "ladder" (a large state's choice on
+        row samples failed the budget on the whole state: the first less aggressive one within it there,
+        `_measured_whole`); for any other save also "fine" (nothing in the search space met the budget, a fine
+        uniform quantizer did: `_fine_keyframe`).
       evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
       rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
       payload: the evaluator's payload for the chosen candidate (the handler's encoded device arrays).
@@ -645,7 +647,10 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         if sampled is None:
             outcome = searched(evaluator, start)
         else:  # a large state's first search, or residual save: on row samples, then the choice measured whole
-            outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched)
+            # (a residual space of one axis: its less aggressive rungs after it, where it fails the budget)
+            ladder = functools.partial(_ladder, cube, metric=metrics[0], capacity=cfg.bins_capacity) \
+                if residual and sum(len(v) > 1 for v in cube.values) <= 1 else None
+            outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched, ladder)
         top = cube.config(cube.top, metrics[0])  # the space's least aggressive configuration
         if not residual and outcome.quant is None:
             outcome = _fine_keyframe(evaluator, outcome, budget, top)
@@ -725,13 +730,18 @@ def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets
                      residual=residual, keyframe_floor=keyframe, scored=True if residual else None)
 
 
-def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search) -> Outcome:
+def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search,
+                    ladder: Callable | None = None) -> Outcome:
     """The sampled search's choice encoded and measured on the whole state (the outcome carries that
     measurement and encoding); when the whole state's proxy exceeds `budget` after all, the exact search runs,
-    starting from that choice (`search`'s `start`). Nothing feasible on the samples: the exact search decides.
-    A residual save's finest levels (mode "least aggressive": nothing within the budget on the samples, not even
-    the finest cells `_finer_residual` offers) are kept as measured whole: the exact search could only end at
-    the same finest cells, after scoring the whole state's candidates one ladder at a time."""
+    starting from that choice (`search`'s `start`), or, given `ladder` (a configuration -> the less aggressive
+    ones after it, most aggressive first: `_ladder` of a residual space of one axis, along which the exact search
+    could only go), the first of its rungs within the budget on the whole state (mode "ladder"; `_first_within`,
+    rounds of `search_batch` where the evaluator scores them together; the least aggressive measured where none
+    is). Nothing feasible on the samples: the exact search decides. A residual save's finest levels (mode "least
+    aggressive": nothing within the budget on the samples, not even the finest cells `_finer_residual` offers)
+    are kept as measured whole: the exact search could only end at the same finest cells, after scoring the
+    whole state's candidates one ladder at a time."""
     if sampled.quant is None:
         return run_search(evaluator, None)
     d, payload, decoded = evaluator.measure_whole(sampled.quant)
@@ -739,6 +749,14 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
         mode = "finer" if sampled.mode == "least aggressive" and d <= budget else sampled.mode
         return dataclasses.replace(sampled, degradation=d, mode=mode, evaluations=sampled.evaluations + 1,
                                    rounds=sampled.rounds + 1, payload=payload, decoded=decoded)
+    if ladder is not None:
+        rungs = ladder(sampled.quant)
+        k, within, measured, rounds = _first_within(
+            evaluator, rungs, budget, below=(d, payload),
+            per_round=evaluator.cfg.search_batch if evaluator.batched(rungs) else 1)
+        return Outcome(sampled.quant if k == -1 else rungs[k], measured[k][0],
+                       "ladder" if within else "least aggressive", sampled.evaluations + len(measured),
+                       sampled.rounds + 1 + rounds, measured[k][1], decoded if k == -1 else None)
     exact = run_search(evaluator, sampled.quant)
     return dataclasses.replace(exact, evaluations=exact.evaluations + sampled.evaluations + 1,
                                rounds=exact.rounds + sampled.rounds + 1)

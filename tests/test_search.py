@@ -721,8 +721,9 @@ def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measure
     searches its candidates on row samples, then encodes the choice and measures it on the whole state: the
     outcome carries that encoding, and its degradation is exactly the whole state's proxy of it; the same choice
     as the exact search. `misled`: the samples are of another state, whose heavy-tailed residual takes cells of 4
-    RMS; on the whole state (Gaussian residuals) they exceed the budget, and the exact search decides (cells of
-    1.5 RMS), still within the budget."""
+    RMS; on the whole state (Gaussian residuals) they exceed the budget, and the first of the less aggressive
+    cells within the budget on the whole state is taken (mode "ladder": cells of 1.5 RMS, the exact search's
+    choice)."""
     monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
     monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
     rng = np.random.default_rng(0)
@@ -743,8 +744,8 @@ def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measure
 
     outcome, record = run()
     assert "sampled" in record
-    if misled:  # the exact search's choice, scored without encoding (encoded when saved)
-        assert outcome.payload is None and outcome.decoded is None
+    if misled:  # the ladder's choice, scored without encoding (encoded when saved)
+        assert outcome.mode == "ladder" and outcome.payload is None and outcome.decoded is None
         assert outcome.degradation <= cfg.effective_residual_budget
     else:
         decoded = quantize.dequantize_all(outcome.payload, [x.dtype for x in xs])
@@ -756,8 +757,10 @@ def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measure
     monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 30)  # the exact search
     exact, exact_record = run()
     assert "sampled" not in exact_record and outcome.quant == exact.quant and exact.quant.step == 1.5
-    # The sampled search's five candidates, its choice measured whole, then (misled) the exact search's.
-    assert record["candidates"] > 6 if misled else record["candidates"] == 6
+    # The sampled search's five candidates in two rounds, its choice measured whole, then (misled) the ladder of
+    # cells of 3, 2.5, 2, 1.75, 1.5, 1.25 and 1 RMS, then 0.5 and 0.25, four rungs a round: 2.5, 1.75, 1.25 and
+    # 0.5 (1.75 over the budget, 1.25 within), then 1.5.
+    assert (record["candidates"], record["rounds"]) == ((11, 5) if misled else (6, 3))
 
 
 def test_a_large_residual_save_goes_finer_on_row_samples_then_measures_the_choice_whole(monkeypatch):
@@ -797,3 +800,34 @@ def test_a_large_residual_save_goes_finer_on_row_samples_then_measures_the_choic
     monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 30)  # the exact search
     exact, exact_record = run()
     assert "sampled" not in exact_record and exact.mode == "finer" and exact.quant == outcome.quant
+
+
+def test_a_sampled_choice_that_fails_on_the_whole_state_ends_at_the_least_error_measured(monkeypatch):
+    """Samples of an easy residual (Gaussian: cells of 0.5 RMS meet epsilon 0.002's budget there) and a whole
+    state that nothing can meet (a few values 10^4 times the others, beyond every cell's range): the sampled
+    choice fails on the whole state, its ladder (the 249 cells of 0.25 RMS) fails too, and the save takes the one
+    of least error measured on the whole state (mode "least aggressive"), over the budget, never lossless; where
+    that is the sampled choice, its encoding and decode come with it."""
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
+    monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
+    rng = np.random.default_rng(2)
+    shapes = [(256, 64), (128, 96)]
+    offs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes]
+    easy = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3) for o, s in zip(offs, shapes)]
+    xs = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3 * np.where(rng.random(s) < 1e-3, 1e4, 1.0))
+          for o, s in zip(offs, shapes)]
+    sampled = search._sampled_evaluator
+    monkeypatch.setattr(search, "_sampled_evaluator", lambda leaves, *a: sampled(easy, *a))
+    cfg = ij.CompressionConfig(epsilon=0.002)
+    outcome, record = search.choose(list(xs), None, [0, 1], [None] * 2, ["dense", "dense"], cfg, None, None,
+                                    offsets=offs, residual=True)
+    assert outcome.mode == "least aggressive" and outcome.degradation > cfg.effective_residual_budget
+    assert (outcome.quant.bins, outcome.quant.step) in ((125, 0.5), (249, 0.25))
+    # On the samples: the space's four candidates in one round, then the finer cells' two in one; the sampled
+    # choice (125 cells) measured whole; then its ladder's one rung (249 cells) in one round.
+    assert (record["candidates"], record["rounds"]) == (8, 4)
+    scores = [float(quantize.uniform_residual_scores(xs, offs, None, ["dense", "dense"], [q] * 4, cfg)[0])
+              for q in (dataclasses.replace(outcome.quant, bins=125, embedding_bins=125, step=0.5),
+                        dataclasses.replace(outcome.quant, bins=249, embedding_bins=249, step=0.25))]
+    assert outcome.degradation == pytest.approx(min(scores), rel=1e-5)
+    assert (outcome.payload is not None and outcome.decoded is not None) == (outcome.quant.step == 0.5)
