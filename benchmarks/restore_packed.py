@@ -8,8 +8,8 @@ Each size's synthetic state (bench_handler.py's: four 4096-column matrices) is s
 `CompressionConfig(keyframe_every=10)` (bench_handler.save_chain), then step 9 is restored in new processes, one
 per variant and round, alternating: the first restore of the process (what a resumed job does) and the median of
 `REPEATS` more (warm). Variants set `quantize._PACKED_FROM`, the tensor size from which residual links are read
-packed and added by plain sums: the default (8M), never (every code spelled out on the host and added by the
-formula: the previous release's path), from 1M and from 256K values (--variants picks some by label). With
+packed and added by plain sums: the default (1M), 8M (the previous default), never (every code spelled out on the
+host and added by the formula) and from 256K values (--variants picks some by label). With
 --cache, each variant's processes run with JAX's persistent compilation cache (`ij.enable_compilation_cache`, a
 directory per variant) that an unreported process of that variant filled first: a resumed job's restore from its
 second resume on, when it enables the cache; without it, every first restore compiles its kernels. Orbax's
@@ -41,8 +41,8 @@ from bench_handler import save_chain, synthetic  # noqa: E402  (benchmarks/ is o
 
 REPEATS = 5
 DEPTH = 9
-VARIANTS = [("packed from 8M values (default)", None), ("never packed (previous release)", 1 << 62),
-            ("packed from 1M values", 1 << 20), ("packed from 256K values", 1 << 18)]
+VARIANTS = [("packed from 1M values (default)", None), ("packed from 8M values (the previous default)", 1 << 23),
+            ("never packed", 1 << 62), ("packed from 256K values", 1 << 18)]
 RESTORE = """
 import json, statistics, sys, time
 import jax, orbax.checkpoint as ocp, inshrink_jax as ij

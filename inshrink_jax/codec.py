@@ -317,7 +317,7 @@ _RADIX_MAX = 16  # the largest base that still packs two values to a byte
 # the high 4 bits the mask's. Offered to streams of `_MODE_FROM` values or more (below, "prefix" codes a stream of few
 # values and its header costs less than the mask's frame) and fewer than `_PACKED_ONLY_SIZE` whose mode is at least
 # half of them. Not to larger ones: gathering the other values costs several times a packing pass (ad hoc, 25M
-# values: 0.1-0.2 s against 0.03 s), and a closed-loop chain's link of 8M values or more is added from its packed
+# values: 0.1-0.2 s against 0.03 s), and a closed-loop chain's link of 1M values or more is added from its packed
 # bytes on restore (quantize.takes_packed), which a "mode" stream does not have.
 _MODE_REST_CODECS = (RAW, ZSTD, ZSTD_RUNS, RANKS, ZSTD_ESCAPE)
 _MODE_MASK_CODECS = (RAW, RANKS, ZSTD_RUNS)  # its mask's: packed 8 to a byte, or the gaps between the other values

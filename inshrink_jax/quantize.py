@@ -1081,11 +1081,13 @@ _CHAIN_MIN = 1 << 10
 # A chain of a tensor of at least this many elements takes its residuals' packed code streams as they are
 # (`PackedCodes`), decoded padded to a multiple of `PACKED_MULTIPLE`: the codes a byte holds (2, 3, 4, 5 or 8)
 # each divide it, so a packed link's values are its bytes' looked-up rows laid end to end, with no cut to the
-# tensor's length inside the kernel. Below it the host spells the codes out: each mix of codes a byte in a group
-# of links is a kernel to compile, and with every tensor of a 10M-parameter chain (2.5M values) packed, a new
-# process's first deep restore was slower, the warm ones faster; at 100M packing won both
-# (benchmarks/results/restore_packed.md). A resumed job restores once, in a new process.
-_PACKED_FROM = 1 << 23
+# tensor's length inside the kernel. Below it the host spells the codes out. Each mix of codes a byte in a group
+# of links is a kernel to compile: with the tensors of a 10M-parameter chain (2.5M values) packed, a new process's
+# first deep restore compiles for about 0.1 s more, unless JAX's persistent compilation cache holds the kernels
+# (`enable_compilation_cache`, which a resumed job turns on: its first restore is then as fast or faster), and every
+# later one is 1.4x faster (benchmarks/results/restore_packed.md, with and without the cache). The same size as
+# `codec._PACKED_ONLY_SIZE`: a stream of fewer values may be coded "mode", which has no packed bytes.
+_PACKED_FROM = 1 << 20
 PACKED_MULTIPLE = 120
 
 
