@@ -1083,10 +1083,11 @@ _CHAIN_MIN = 1 << 10
 # each divide it, so a packed link's values are its bytes' looked-up rows laid end to end, with no cut to the
 # tensor's length inside the kernel. Below it the host spells the codes out. Each mix of codes a byte in a group
 # of links is a kernel to compile: with the tensors of a 10M-parameter chain (2.5M values) packed, a new process's
-# first deep restore compiles for about 0.1 s more, unless JAX's persistent compilation cache holds the kernels
-# (`enable_compilation_cache`, which a resumed job turns on: its first restore is then as fast or faster), and every
-# later one is 1.4x faster (benchmarks/results/restore_packed.md, with and without the cache). The same size as
-# `codec._PACKED_ONLY_SIZE`: a stream of fewer values may be coded "mode", which has no packed bytes.
+# first deep restore took 0.62-0.65 s against 0.43-0.51 s in one run without JAX's persistent compilation cache
+# (benchmarks/results/restore_packed.md), the same as unpacked in a later one (restore_packed_nocache.md), and with
+# the cache (`enable_compilation_cache`, which a resumed job turns on) as fast or faster (restore_packed_cache.md);
+# the warm restores 1.4-1.9x faster in all three. The same size as `codec._PACKED_ONLY_SIZE`: a stream of fewer
+# values may be coded "mode", which has no packed bytes.
 _PACKED_FROM = 1 << 20
 PACKED_MULTIPLE = 120
 
