@@ -715,6 +715,18 @@ def test_the_guard_takes_the_most_aggressive_residual_cells_the_eval_fn_accepts(
         assert out.degradation == 0.005
 
 
+def _large_residual_state(monkeypatch, seed: int) -> tuple[list, list, list]:
+    """(shapes, offsets, states) of a closed-loop residual save that counts as a large state (the search's
+    `SCORED_WITHOUT_ENCODING` and `SEARCH_SAMPLE` lowered): Student-t weights moved by a small Gaussian step."""
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
+    monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
+    rng = np.random.default_rng(seed)
+    shapes = [(256, 64), (128, 96), (64,)]
+    offs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes]
+    xs = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3) for o, s in zip(offs, shapes)]
+    return shapes, offs, xs
+
+
 @pytest.mark.parametrize("misled", [False, True])
 def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measured_whole(monkeypatch, misled):
     """A closed-loop residual save of a large state (`SCORED_WITHOUT_ENCODING`, `SEARCH_SAMPLE`: lowered here)
@@ -724,12 +736,8 @@ def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measure
     RMS; on the whole state (Gaussian residuals) they exceed the budget, and the first of the less aggressive
     cells within the budget on the whole state is taken (mode "ladder": cells of 1.5 RMS, the exact search's
     choice)."""
-    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
-    monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
-    rng = np.random.default_rng(0)
-    shapes = [(256, 64), (128, 96), (64,)]
-    offs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes]
-    xs = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3) for o, s in zip(offs, shapes)]
+    shapes, offs, xs = _large_residual_state(monkeypatch, 0)
+    rng = np.random.default_rng(10)
     if misled:
         heavy = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3 *
                                  np.where(rng.random(s) < 0.05, 30.0, 1.0)) for o, s in zip(offs, shapes)]
@@ -769,12 +777,7 @@ def test_a_large_residual_save_goes_finer_on_row_samples_then_measures_the_choic
     too (`_finer_residual` on the sampled evaluator, both rungs of its ladder in one round), then encodes that
     choice once on the whole state: no candidate is scored on the whole state, and the choice is the exact
     search's (the same save without sampling)."""
-    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
-    monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
-    rng = np.random.default_rng(1)
-    shapes = [(256, 64), (128, 96), (64,)]
-    offs = [jnp.asarray(rng.standard_t(3, s).astype(np.float32) * 0.02) for s in shapes]
-    xs = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3) for o, s in zip(offs, shapes)]
+    shapes, offs, xs = _large_residual_state(monkeypatch, 1)
     whole_size = sum(int(np.prod(s)) for s in shapes)
     scored = []
     scores = quantize.uniform_residual_scores
