@@ -3,7 +3,7 @@ inshrink_jax beside Orbax, for one or more source trees of the library, each in 
 one run.
 
 Usage: python benchmarks/residual_tails.py [--sizes 1e7 1e8] [--saves 8] [--rounds 2] [--trees DIR ...]
-           [--dir DIR] [--out FILE]
+           [--cases NAME ...] [--dir DIR] [--out FILE]
 
 A residual save of a state of `search.SCORED_WITHOUT_ENCODING` values or more searches its candidates on row
 samples of the large tensors, then encodes its choice and measures it on the whole state. Where no configuration
@@ -103,10 +103,13 @@ def main(argv=None):
     ap.add_argument("--saves", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--trees", nargs="+", default=[os.path.dirname(HERE)])
+    ap.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], help="names of the cases to run")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", nargs=2, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if set(args.cases) - {c[0] for c in CASES}:
+        ap.error(f"--cases: the cases are {[c[0] for c in CASES]}")
     if args.saves < 5:
         ap.error("--saves must be at least 5 (the median is of the saves from the fourth on)")
     if args.worker is not None:
@@ -125,7 +128,7 @@ def main(argv=None):
              "candidates, rounds | its cells (bins, step) | params bytes, residual saves |",
              "|---:|---|---|---:|---:|---:|---|---|---:|"]
     for n in args.sizes:
-        for kind, _, _ in CASES:
+        for kind in [c[0] for c in CASES if c[0] in args.cases]:
             runs: dict[str, list[dict]] = {t: [] for t in trees}
             for _ in range(args.rounds):
                 for t in trees:
