@@ -737,8 +737,8 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
     starting from that choice (`search`'s `start`), or, given `ladder` (a configuration -> the less aggressive
     ones after it, most aggressive first: `_ladder` of a residual space of one axis, along which the exact search
     could only go), the first of its rungs within the budget on the whole state (mode "ladder"; `_first_within`,
-    rounds of `search_batch` where the evaluator scores them together, a single rung encoded and measured like
-    the choice; the one of least error measured where none is: mode "least aggressive"). Nothing feasible on the samples: the exact search decides. A residual save's finest levels (mode "least
+    rounds of `search_batch` where the evaluator scores them together; the least aggressive measured where none
+    is). Nothing feasible on the samples: the exact search decides. A residual save's finest levels (mode "least
     aggressive": nothing within the budget on the samples, not even the finest cells `_finer_residual` offers)
     are kept as measured whole: the exact search could only end at the same finest cells, after scoring the
     whole state's candidates one ladder at a time."""
@@ -751,13 +751,6 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
                                    rounds=sampled.rounds + 1, payload=payload, decoded=decoded)
     if ladder is not None:
         rungs = ladder(sampled.quant)
-        if len(rungs) == 1:  # the finest cells: encoded and measured whole, not scored (a scoring call is a
-            # round's `search_batch` candidates' work, an encode one's, and its encoding is what the save stores)
-            d1, payload1, decoded1 = evaluator.measure_whole(rungs[0])
-            q, d, payload, decoded = (rungs[0], d1, payload1, decoded1) if d1 <= budget or d1 <= d else \
-                (sampled.quant, d, payload, decoded)
-            return Outcome(q, d, "ladder" if d <= budget else "least aggressive", sampled.evaluations + 2,
-                           sampled.rounds + 2, payload, decoded)
         k, within, measured, rounds = _first_within(
             evaluator, rungs, budget, below=(d, payload),
             per_round=evaluator.cfg.search_batch if evaluator.batched(rungs) else 1)

@@ -809,9 +809,8 @@ def test_a_sampled_choice_that_fails_on_the_whole_state_ends_at_the_least_error_
     """Samples of an easy residual (Gaussian: cells of 0.5 RMS meet epsilon 0.002's budget there) and a whole
     state that nothing can meet (a few values 10^4 times the others, beyond every cell's range): the sampled
     choice fails on the whole state, its ladder (the 249 cells of 0.25 RMS) fails too, and the save takes the one
-    of least error measured on the whole state (mode "least aggressive"), over the budget, never lossless. The
-    ladder's one rung is encoded and measured like the sampled choice, so whichever is taken comes with its
-    encoding and decode."""
+    of least error measured on the whole state (mode "least aggressive"), over the budget, never lossless; where
+    that is the sampled choice, its encoding and decode come with it."""
     monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 12)
     monkeypatch.setattr(search, "SEARCH_SAMPLE", 1 << 10)
     rng = np.random.default_rng(2)
@@ -828,15 +827,10 @@ def test_a_sampled_choice_that_fails_on_the_whole_state_ends_at_the_least_error_
     assert outcome.mode == "least aggressive" and outcome.degradation > cfg.effective_residual_budget
     assert (outcome.quant.bins, outcome.quant.step) in ((125, 0.5), (249, 0.25))
     # On the samples: the space's four candidates in one round, then the finer cells' two in one; the sampled
-    # choice (125 cells) measured whole; then its ladder's one rung (249 cells), measured whole too.
+    # choice (125 cells) measured whole; then its ladder's one rung (249 cells) in one round.
     assert (record["candidates"], record["rounds"]) == (8, 4)
     scores = [float(quantize.uniform_residual_scores(xs, offs, None, ["dense", "dense"], [q] * 4, cfg)[0])
               for q in (dataclasses.replace(outcome.quant, bins=125, embedding_bins=125, step=0.5),
                         dataclasses.replace(outcome.quant, bins=249, embedding_bins=249, step=0.25))]
     assert outcome.degradation == pytest.approx(min(scores), rel=1e-5)
-    assert outcome.payload is not None and outcome.decoded is not None
-    decoded = quantize.dequantize_all(outcome.payload, [x.dtype for x in xs])
-    assert outcome.degradation == pytest.approx(float(search.proxy_degradation(xs, decoded, [None] * 2, offs)),
-                                                rel=1e-6)
-    for kept, again in zip(outcome.decoded, decoded):
-        np.testing.assert_array_equal(np.asarray(kept).view(np.uint32), np.asarray(again).view(np.uint32))
+    assert (outcome.payload is not None and outcome.decoded is not None) == (outcome.quant.step == 0.5)
