@@ -737,8 +737,8 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
     starting from that choice (`search`'s `start`), or, given `ladder` (a configuration -> the less aggressive
     ones after it, most aggressive first: `_ladder` of a residual space of one axis, along which the exact search
     could only go), the first of its rungs within the budget on the whole state (mode "ladder"; `_first_within`,
-    rounds of `search_batch` where the evaluator scores them together; the least aggressive measured where none
-    is). Nothing feasible on the samples: the exact search decides. A residual save's finest levels (mode "least
+    rounds of `search_batch` where the evaluator scores them together; where none is, the one of least error
+    measured, mode "least aggressive"). Nothing feasible on the samples: the exact search decides. A residual save's finest levels (mode "least
     aggressive": nothing within the budget on the samples, not even the finest cells `_finer_residual` offers)
     are kept as measured whole: the exact search could only end at the same finest cells, after scoring the
     whole state's candidates one ladder at a time."""
