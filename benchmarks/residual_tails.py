@@ -13,8 +13,8 @@ space's cells; a tight epsilon), it goes to finer cells than the space holds. Th
 Per process, size and drift: bench_handler.py's synthetic state (four Student-t matrices of 4096 columns), saved
 --saves times with `CompressionConfig(keyframe_every=1000)` (a keyframe, then residual saves; case "gaussian,
 epsilon 0.002": with epsilon=0.002, whose residual budget no cells of the space meet), each save followed by a
-drift of every weight: "gaussian", a normal step of 1e-3 of its tensor's std (bench_handler.save_chain's);
-"heavy-tailed", a Student-t(2.5) step of 1e-2 of its tensor's std, four times larger on every 7th row (weights
+drift of every weight: "gaussian", a normal step of 1e-3 of its tensor's std (bench_handler.save_chain's drift,
+drawn by NumPy); "heavy-tailed", a Student-t(2.5) step of 1e-2 of its tensor's std, four times larger on every 7th row (weights
 that move more than the others). Orbax's StandardCheckpointer saves the same states in the same process, each
 after ours. Save times are save() until written, the median of the saves from the fourth on (the second and third
 compile the residual kernels); the search's record (mode, candidates, rounds: a round is one call of the

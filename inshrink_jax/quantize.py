@@ -1086,7 +1086,7 @@ _CHAIN_MIN = 1 << 10
 # first deep restore took 0.62-0.65 s against 0.43-0.51 s in one run without JAX's persistent compilation cache
 # (benchmarks/results/restore_packed.md), the same as unpacked in a later one (restore_packed_nocache.md), and with
 # the cache (`enable_compilation_cache`, which a resumed job turns on) as fast or faster (restore_packed_cache.md);
-# the warm restores 1.4-1.9x faster in all three. The same size as `codec._PACKED_ONLY_SIZE`: a stream of fewer
+# the warm restores 1.3-2.0x faster, round by round, in all three. The same size as `codec._PACKED_ONLY_SIZE`: a stream of fewer
 # values may be coded "mode", which has no packed bytes.
 _PACKED_FROM = 1 << 20
 PACKED_MULTIPLE = 120
