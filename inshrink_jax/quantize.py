@@ -1023,17 +1023,21 @@ CHAIN_GROUP = 4
 
 @functools.partial(jax.jit, static_argnames=("size",))
 def _chain_start(codes, table, *, size):
-    """A keyframe link's values: `table` (in the leaf's dtype) looked up by its codes, `size` of them."""
-    return _fit(table[codes], size)
+    """A keyframe link's values: `table` (in the leaf's dtype) looked up by its codes, `size` of them flat, or in
+    the codes' own shape where `size` is None."""
+    return table[codes] if size is None else _fit(table[codes], size)
 
 
-def _link_values(codes, table, exps) -> jax.Array:
-    """A residual link's values (float32, flat): its codes (or packed bytes) looked up in its table, times its
-    weighting's 2^K where `exps` is not None."""
+def _link_values(codes, table, exps, shape: tuple) -> jax.Array:
+    """A residual link's values (float32) in `shape` (the sum's: a flat padded length, or a large tensor's own
+    shape): its codes (or packed bytes) looked up in its table, times its weighting's 2^K where `exps` is not
+    None, the first prod(`shape`) of them (a padded tail cut inside the kernel)."""
     r = table[codes]
     if r.ndim == 2:  # packed: each byte's values, in position order
         r = r.reshape(-1)
-    return r if exps is None else weighting.times_multiplier(r, exps)
+    r = r if exps is None else weighting.times_multiplier(r, exps)
+    n = math.prod(shape)
+    return (r if r.shape[0] == n else r[:n]).reshape(shape)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",), donate_argnums=(0,))
@@ -1042,7 +1046,7 @@ def _chain_sum(a, codes, tables, *, dtype):
     every one used), rounded to `dtype` link by link, without the formula's replacement of a non-finite `a` by 0:
     the same values as `_chain_group` wherever every sum stays finite (`_add_links` makes sure they do)."""
     for i in range(len(codes)):
-        a = (_link_values(codes[i], tables[i], None) + a.astype(jnp.float32)).astype(dtype)
+        a = (_link_values(codes[i], tables[i], None, a.shape) + a.astype(jnp.float32)).astype(dtype)
         if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
             a = jax.lax.optimization_barrier(a)
     return a
@@ -1058,7 +1062,7 @@ def _chain_group(a, codes, tables, used, exps, *, dtype):
     hold one entry per link. The codes stay separate arrays: stacking a group's links on the host would copy every
     code once more."""
     for i in range(CHAIN_GROUP):
-        r = _link_values(codes[i], tables[i], None if exps is None else exps[i])
+        r = _link_values(codes[i], tables[i], None if exps is None else exps[i], a.shape)
         a = jnp.where(used[i], plus_offset(r, a, dtype), a)
         if jnp.dtype(dtype) != jnp.float32:  # keep each link's rounding to `dtype`: no fusing of the casts away
             a = jax.lax.optimization_barrier(a)
@@ -1067,8 +1071,9 @@ def _chain_group(a, codes, tables, used, exps, *, dtype):
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _put_at(a, at, values):
-    """`a` with `values` at positions `at` (positions past the end are dropped). Flat arrays."""
-    return a.at[at].set(values, mode="drop")
+    """`a` with `values` at its flat positions `at` (positions past the end are dropped), in `a`'s shape (its
+    buffer updated in place)."""
+    return a.reshape(-1).at[at].set(values, mode="drop").reshape(a.shape)
 
 
 # A chain of a tensor below this many elements is decoded padded to the next power of two (at least
@@ -1129,7 +1134,10 @@ def _shaped(a: jax.Array, *, shape: tuple) -> jax.Array:
 def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size_n: int, dtype,
                put: Callable) -> jax.Array:
     """`decode_chain`'s kernels: the first link's values, then each residual added, `CHAIN_GROUP` links a call
-    (`upto(k)`: the first k links, waited for). Flat, `size_n` long; the protected positions not yet put in.
+    (`upto(k)`: the first k links, waited for); the protected positions not yet put in. A tensor that
+    `takes_packed` is summed in its own `shape` (each link's padded values cut inside its kernel), so the result is
+    the restored array with no copy to shape it (a 100M-parameter keyframe's restore spent a fifth of its time
+    copying so); a smaller one flat, `size_n` long.
 
     The save's formula replaces a non-finite sum by 0 before the next link is added (`plus_offset`). A packed
     chain's group of unweighted links is added by plain sums instead (`_chain_sum`: with the replacement, XLA's CPU
@@ -1149,12 +1157,16 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
     else:
         bound = float(np.abs(np.asarray(first, f32)).max()) if np.size(first) else 0.0  # Inf or NaN: not < limit
     if isinstance(first, EncodedTensor):
-        # A packed chain's keyframe codes are padded in the kernel (a copy on the host otherwise), a residual's on
-        # the host (padded inside the residuals' kernel, they slowed it on XLA's CPU backend).
-        codes = first.codes.reshape(-1) if takes_packed(n) else _flat(first.codes, size_n)
-        out = _chain_start(*put([codes, _table(first, dtype)]), size=size_n)
+        # A residual's codes are padded on the host (padded inside the residuals' kernel, they slowed it on XLA's
+        # CPU backend), and cut to the tensor's length inside it where the sum is in the tensor's shape.
+        if takes_packed(n):
+            out = _chain_start(*put([first.codes.reshape(shape), _table(first, dtype)]), size=None)
+        else:
+            out = _chain_start(*put([_flat(first.codes, size_n), _table(first, dtype)]), size=size_n)
+    elif takes_packed(n):
+        out = put(np.array(np.asarray(first).reshape(shape)))  # a copy: the kernels below update it in place
     else:
-        out = put(_flat(np.asarray(first), size_n, copy=True))  # a copy: the kernels below update it in place
+        out = put(_flat(np.asarray(first), size_n, copy=True))
     for g in range(0, count, CHAIN_GROUP):
         group = upto(1 + min(g + CHAIN_GROUP, count))[1 + g:]
         for e in group:
@@ -1207,7 +1219,7 @@ def decode_chain(links: Sequence, device=None,
     One pass over the tensor per `CHAIN_GROUP` links (a deep restore adds up to `keyframe_every - 1` residuals):
     the kernels read each link's codes once, and the protected weights, whose stored values replace a link's
     level at a few positions, are recomputed link by link on the host at those positions only (once every link
-    has arrived) and put in at the end. The kernels work on flat arrays and compile once per tensor size and
+    has arrived) and put in at the end. The kernels compile once per tensor size (a large tensor's: per shape) and
     dtype (and power of two of the protected positions), whatever the chain's length: the residuals are added
     `CHAIN_GROUP` at a time. A residual's codes may be `PackedCodes` of `chain_size(n)` codes where
     `takes_packed(n)`: its kernel looks the values up from the packed bytes (one compile per group's mix of codes
@@ -1284,4 +1296,6 @@ def decode_chain(links: Sequence, device=None,
     if at.size:
         fix = [fix_at, fix_values]
         out = _put_at(out, *(fix if fix_at.nbytes < _AS_ARGUMENT_BELOW else put(fix)))
+    if takes_packed(n):
+        return out
     return out.reshape(shape) if size_n == n else _shaped(out, shape=tuple(shape))

@@ -321,6 +321,54 @@ def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), expect.reshape(shape).view(np.uint8))
 
 
+@pytest.mark.parametrize("first_link", ["keyframe codes", "exact values"])
+@pytest.mark.parametrize("shape", [(37, 29), (24, 40)])
+def test_a_large_chain_is_summed_in_its_shape_and_returned_without_a_copy(first_link, shape, monkeypatch):
+    """A tensor that takes packed codes (every tensor here, with the threshold lowered) is summed in its own shape:
+    the array `decode_chain` returns is the buffer its first kernel wrote, updated in place by every later one (no
+    kernel after the sums copies it into shape: a 100M-parameter keyframe's restore spent a fifth of its time so),
+    whether or not its size is a multiple of `PACKED_MULTIPLE` (a padded tail cut inside the kernels), with
+    protected weights, and bit for bit the chain decoded flat."""
+    rng = np.random.default_rng(5)
+    bins = 6
+    n = int(np.prod(shape))
+
+    def link():
+        codes = rng.integers(0, bins + 1, shape).astype(np.uint8)
+        codes.reshape(-1)[rng.choice(n, 3, replace=False)] = bins + 1
+        return quantize.EncodedTensor(codes, np.sort(rng.normal(size=bins)).astype(np.float32),
+                                      rng.normal(size=3).astype(np.float32).astype(jnp.bfloat16), "float32")
+
+    first = link() if first_link == "keyframe codes" else rng.normal(size=shape).astype(np.float32)
+    chain = [(first, None)] + [(link(), None) for _ in range(5)]
+    expect = np.asarray(quantize.decode_chain(chain))  # flat, padded to a power of two
+    monkeypatch.setattr(quantize, "_PACKED_FROM", 1)
+    assert quantize.chain_size(n) == -(-n // quantize.PACKED_MULTIPLE) * quantize.PACKED_MULTIPLE
+    written = []  # the buffer of each array of the tensor's shape a kernel or a put made, as it was made
+
+    def recorded(real):
+        def call(*a, **k):
+            out = real(*a, **k)
+            if isinstance(out, jax.Array) and out.shape == shape:
+                written.append(out.unsafe_buffer_pointer())
+            return out
+        return call
+
+    for name in ("_chain_start", "_put_at"):
+        monkeypatch.setattr(quantize, name, recorded(getattr(quantize, name)))
+    monkeypatch.setattr(jax, "device_put", recorded(jax.device_put))
+    out = quantize.decode_chain(chain)
+    assert out.shape == shape
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), expect.view(np.uint32))
+    # The first link's values (the keyframe's lookup kernel, or the exact values put on the device), then the
+    # protected values put in: the returned array is the buffer the last kernel wrote, and a keyframe's, the
+    # buffer of its first one (exact values put from a NumPy array may share its memory: the first sum copies
+    # them).
+    assert len(written) == 2 and out.unsafe_buffer_pointer() == written[1]
+    if first_link == "keyframe codes":
+        assert written[0] == written[1]
+
+
 @pytest.mark.parametrize("case", ["an Inf in the exact first link", "a sum that overflows"])
 def test_a_large_chain_whose_sums_leave_the_finite_range_decodes_by_the_formula(case, monkeypatch):
     """A large tensor's chain is added by plain sums (`quantize._chain_sum`) only where no sum can leave the finite
