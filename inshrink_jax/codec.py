@@ -460,11 +460,11 @@ def _decode(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
 
 
 def decompress_array(blob, codec: str, size: int, itemsize: int = 1) -> np.ndarray:
-    """`decompress` as a read-only uint8 array of `size` bytes, 64-byte aligned from `_ALIGNED_FROM` bytes: JAX's
+    """`decompress` as a read-only uint8 array of `size` bytes, 64-byte aligned from `ALIGNED_FROM` bytes: JAX's
     CPU client then takes it as a device buffer without a copy (a restore hands every decoded code stream to a
     kernel), and a plain zstd stream is decompressed straight into it (no intermediate bytes object, whose pages
     the kernel would fault in once more)."""
-    if size < _ALIGNED_FROM:  # a copy to place it costs less than the one it saves
+    if size < ALIGNED_FROM:  # a copy to place it costs less than the one it saves
         out = _decode(blob, codec, size, itemsize)
         out.flags.writeable = False
         return out
@@ -506,7 +506,7 @@ def _zstd_into(blob, out: np.ndarray) -> None:
 
 
 _ALIGN = 64  # bytes: the alignment XLA's CPU client needs to use a host buffer in place
-_ALIGNED_FROM = 1 << 16  # bytes: a smaller stream is decoded as it comes (placing it would cost more than a copy)
+ALIGNED_FROM = 1 << 16  # bytes: a smaller stream is decoded as it comes (placing it would cost more than a copy)
 
 
 def aligned_empty(size: int) -> np.ndarray:

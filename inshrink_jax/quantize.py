@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inshrink_jax import kmeans, sketch, threshold, weighting
+from inshrink_jax import codec, kmeans, sketch, threshold, weighting
 from inshrink_jax.config import CompressionConfig, QuantConfig
 
 PRUNED = 0
@@ -996,7 +996,11 @@ def decode(enc: EncodedTensor, device=None, offset: jax.Array | None = None,
     # (Closed-loop chains decode with `decode_chain`.)
     work = np.dtype(jnp.dtype(enc.dtype)) if offset is None and scale is None else np.dtype(np.float32)
     table = np.concatenate([np.zeros(1, enc.centres.dtype), enc.centres, np.zeros(1, enc.centres.dtype)]).astype(work)
-    out = table[enc.codes]
+    if enc.codes.size * work.itemsize < codec.ALIGNED_FROM:
+        out = table[enc.codes]
+    else:  # 64-byte aligned: JAX's CPU client takes it as the device buffer, not a copy of it
+        out = codec.aligned_empty(enc.codes.size * work.itemsize).view(work).reshape(enc.codes.shape)
+        np.take(table, enc.codes, out=out, mode="clip")  # the codes were checked to index the table
     out.reshape(-1)[pos] = enc.protected.astype(work)
     if offset is None and scale is None:
         return jax.device_put(out, device)

@@ -111,7 +111,7 @@ def test_a_packed_stream_with_a_bad_width_is_refused():
 def test_a_stream_of_another_size_is_refused_before_allocating(which):
     # As bytes, and as the restore takes it: a read-only array starting at a multiple of 64 bytes (JAX's CPU client
     # uses it in place).
-    a = np.zeros(1 << 16, np.uint8)  # codec._ALIGNED_FROM: a smaller one is decoded as it comes
+    a = np.zeros(1 << 16, np.uint8)  # codec.ALIGNED_FROM: a smaller one is decoded as it comes
     a[::5] = 7
     blob = codec.compress(a, which)
     assert codec.decompress(blob, which, a.size) == a.tobytes()
