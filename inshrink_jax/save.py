@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 import time
 import warnings
@@ -68,6 +69,8 @@ class ItemState:
       residual_quant: the last closed-loop residual save's choice, None before the first: where the next
         residual save's search starts (`search.search`'s `start`; it searches the whole space, but its first
         round settles it when the choice moved by at most one step).
+      residual_hint: the last residual save's search record's "wider" (how many times its choice's error the next
+        wider cells' was, and how many saves ago that was measured), or None: `search.choose`'s `hint`.
     """
 
     object_id: str | None = None
@@ -76,10 +79,11 @@ class ItemState:
     recon: Mapping = dataclasses.field(default_factory=dict)
     depth: int = 0
     residual_quant: QuantConfig | None = None
+    residual_hint: Mapping | None = None
 
     def choices(self) -> "ItemState":
         """Only the search's choices (a state without anything to build on: the next save is a keyframe)."""
-        return ItemState(quant=self.quant, residual_quant=self.residual_quant)
+        return ItemState(quant=self.quant, residual_quant=self.residual_quant, residual_hint=self.residual_hint)
 
 
 def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
@@ -93,11 +97,22 @@ def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
     if isinstance(rec, dict) and rec.get("mode") not in (None, "fixed", search.UNMEASURED) and "chosen" in rec:
         chosen = rec["chosen"]
         quant = search.LOSSLESS if chosen == search.LOSSLESS else QuantConfig(**chosen)
-    residual_quant = None
+    residual_quant = hint = None
     if isinstance(rec, dict) and rec.get("coding") == RESIDUAL:
         residual_quant = quant if isinstance(quant, QuantConfig) else None
         quant = None  # the keyframes' search starts afresh
-    return ItemState(reader.object_id, codes, quant, dict(recon), reader.chain_depth, residual_quant)
+        hint = _hint(rec.get("wider"))
+    return ItemState(reader.object_id, codes, quant, dict(recon), reader.chain_depth, residual_quant, hint)
+
+
+def _hint(wider) -> dict | None:
+    """A search record's "wider" as `search.choose`'s hint, or None where it is not one (an older record, or a
+    record that does not read as one: the next residual save then searches)."""
+    if not isinstance(wider, dict) or not isinstance(wider.get("saves"), int) or \
+            not isinstance(wider.get("ratio"), (int, float)) or not math.isfinite(wider["ratio"]) or \
+            wider["ratio"] <= 0 or wider["saves"] < 0:
+        return None
+    return {"ratio": float(wider["ratio"]), "saves": wider["saves"]}
 
 
 # ---------------------------------------------------------------------------------------------------- plan
@@ -398,7 +413,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     xs = [p.leaves[i] for i in p.weights]
     layer_types = [p.records[i].layer_type for i in p.weights]
     previous = chain.residual_quant if residual else chain.quant
-    quant, devs, decoded, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors)
+    quant, devs, decoded, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors,
+                                                            chain.residual_hint if residual else None)
     if closed and isinstance(search_record, dict):
         search_record["coding"] = RESIDUAL if residual else KEYFRAME
     recs = list(p.records)
@@ -450,6 +466,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     new_recon = new_recon + copies([p.leaves[i] for i in small])
     after = dict(quant=chain.quant if residual else choice,
                  residual_quant=choice if residual and isinstance(choice, QuantConfig) else chain.residual_quant,
+                 residual_hint=_hint(search_record.get("wider")) if residual and isinstance(search_record, dict)
+                 else chain.residual_hint,
                  recon={p.records[i].keystr: r for i, r in zip(p.weights + small, new_recon)},
                  depth=chain.depth + 1 if residual else 0)
     return Dispatched(recs, quantized, devs, shards, manifest, started, time.perf_counter() - started,
@@ -496,18 +514,18 @@ def check_eval_fn(cfg: CompressionConfig, eval_fn) -> None:
 
 
 def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, residual: bool = False,
-              factors: list | None = None):
+              factors: list | None = None, hint: dict | None = None):
     """(configuration or None for lossless, its encoded leaves if the search made them, those leaves dequantized
     if the search made them too (`search.Outcome.decoded`), the search's record, the choice the next save's
     search starts from). `residual`: a closed-loop residual save (the search runs over `cfg.residual_space`), its
-    weights weighted by `factors` (`residual_factors`)."""
+    weights weighted by `factors` (`residual_factors`); `hint`: `search.choose`'s."""
     if not p.weights:
         return cfg.quant, None, None, {"mode": "none (no compressed leaves)"}, previous
     if not cfg.search:
         return cfg.quant, None, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
-                                    previous, offsets, residual, factors)
+                                    previous, offsets, residual, factors, hint)
     if outcome.mode == search.UNMEASURED:
         warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
                       "cannot be measured: this save stores the parameters losslessly, and the next save "

@@ -180,9 +180,10 @@ class Outcome:
         state: this save is lossless, the next one searches from the previous choice); for a closed-loop
         residual save (`choose`) also "guarded" (eval_fn over epsilon: a less aggressive configuration, or a
         finer one beyond the residual space), "finer" (nothing in the residual space met residual_budget, finer
-        levels beyond it did), "least aggressive" (nothing did: the finest) and "ladder" (a large state's choice on
+        levels beyond it did), "least aggressive" (nothing did: the finest), "ladder" (a large state's choice on
         row samples failed the budget on the whole state: the first less aggressive one within it there,
-        `_measured_whole`); for any other save also "fine" (nothing in the search space met the budget, a fine
+        `_measured_whole`) and "kept" (a large state's previous residual choice still within the budget on the
+        whole state, the next wider cells predicted over it: `_kept_residual`); for any other save also "fine" (nothing in the search space met the budget, a fine
         uniform quantizer did: `_fine_keyframe`).
       evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
       rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
@@ -457,6 +458,7 @@ class Evaluator:
         self.references = list(offsets) if residual else None  # the proxy's reference (closed-loop residuals)
         self.gs, self.layer_types, self.cfg, self.eval_fn = list(gs), list(layer_types), cfg, eval_fn
         self.eval_calls = 0
+        self.scores: dict[QuantConfig, float] = {}  # candidate -> degradation, of every call
         self.baseline: float | None = None  # measured with the first candidates
         self.values: list[float] = []  # every value eval_fn returned, the baseline first
 
@@ -492,8 +494,10 @@ class Evaluator:
         return worse / abs(q0)
 
     def __call__(self, quants: Sequence[QuantConfig]) -> list[tuple[float, list]]:
-        """(degradation, payload) per candidate."""
-        return [(d, devs) for d, devs, _ in self._evaluate(quants, False)]
+        """(degradation, payload) per candidate (each degradation also kept in `scores`)."""
+        out = [(d, devs) for d, devs, _ in self._evaluate(quants, False)]
+        self.scores.update((q, d) for q, (d, _) in zip(quants, out))
+        return out
 
     def measure_whole(self, q: QuantConfig) -> tuple[float, list, list | None]:
         """One candidate encoded, even where residual candidates are otherwise scored without encoding (a sampled
@@ -579,7 +583,7 @@ class Evaluator:
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
            cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None,
            offsets: Sequence | None = None, residual: bool = False,
-           factors: Sequence | None = None) -> tuple[Outcome, dict]:
+           factors: Sequence | None = None, hint: dict | None = None) -> tuple[Outcome, dict]:
     """Run the search for one save; returns the outcome and its record for the manifest (chosen
     configuration, measured degradation, how it was measured, candidates, eval_fn calls, seconds).
     `offsets` (per quantized leaf, None or its base weight) are passed to the encoder: those leaves are
@@ -598,6 +602,11 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     eval_fn's reading unless the data-free bound applies and it fails it (`Evaluator.trusted`: a closed-loop
     keyframe, or a reading better than the uncompressed state by more than epsilon): the eval_fn can then refuse
     what the bound allows, never allow more.
+
+    A large state's residual save (searched on row samples) records, in the record's "wider", how many times its
+    choice's error the next wider cells' was on the samples (`_wider_ratio`) and how many saves ago it was
+    measured; the next residual save passes it back as `hint` and keeps the previous choice where one
+    measurement on the whole state shows the search could only come back to it (`_kept_residual`).
 
     An eval_fn value that is not a real number is a TypeError. A non-finite value for the uncompressed state
     gives mode UNMEASURED (nothing evaluated; the caller stores this save losslessly); one for a candidate makes
@@ -622,7 +631,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True,
                         factors=factors) \
         if residual and eval_fn is not None else evaluator
-    proxy = sampled = None
+    proxy = sampled = kept = wider = None
     if eval_fn is not None and not math.isfinite(checker.measure_baseline()):
         outcome = Outcome(None, 0.0, UNMEASURED)
     else:
@@ -642,15 +651,27 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
             return outcome
 
         start = previous if residual and isinstance(previous, QuantConfig) else None
-        sampled = _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe, residual,
-                                     factors) if residual or (eval_fn is None and previous is None) else None
-        if sampled is None:
+        samples = (residual or (eval_fn is None and previous is None)) and _takes_samples(leaves, quant_idx, factors)
+        kept = known = None
+        if samples and start is not None:  # a large state's residual save: the previous choice may still be it
+            kept, known = _kept_residual(evaluator, cube, start, metrics[0], budget, hint)
+        if kept is not None:
+            outcome = kept
+        elif not samples:
             outcome = searched(evaluator, start)
         else:  # a large state's first search, or residual save: on row samples, then the choice measured whole
             # (a residual space of one axis: its less aggressive rungs after it, where it fails the budget)
+            sampled = _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe,
+                                         residual, factors)
             ladder = functools.partial(_ladder, cube, metric=metrics[0], capacity=cfg.bins_capacity) \
                 if residual and sum(len(v) > 1 for v in cube.values) <= 1 else None
-            outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched, ladder)
+            outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched, ladder,
+                                      {} if known is None else {start: known})
+            ratio = _wider_ratio(sampled, cube, outcome.quant, metrics[0]) if residual else None
+            wider = None if ratio is None else {"ratio": ratio, "saves": 0}
+            if known is not None and outcome.quant != start:  # the previous choice's measurement, not used
+                outcome = dataclasses.replace(outcome, evaluations=outcome.evaluations + 1,
+                                              rounds=outcome.rounds + 1)
         top = cube.config(cube.top, metrics[0])  # the space's least aggressive configuration
         if not residual and outcome.quant is None:
             outcome = _fine_keyframe(evaluator, outcome, budget, top)
@@ -682,7 +703,15 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     if proxy is not None:
         record["proxy"] = proxy
         record["epsilon"] = cfg.epsilon
-    if sampled is not None:
+    if kept is not None and hint is not None:
+        wider = {"ratio": hint["ratio"], "saves": hint["saves"] + 1}
+    if wider is not None:
+        record["wider"] = wider
+    if kept is not None:
+        record["sampled"] = ("the previous choice measured on the whole state and kept: within the budget, and its "
+                             "more aggressive neighbour's error, at least the square of their cells' widths' ratio "
+                             "times its own, over it")
+    elif sampled is not None:
         record["sampled"] = (f"candidates measured on row samples of the tensors of more than {SEARCH_SAMPLE:,} "
                              "values, the choice on the whole state")
     return outcome, record
@@ -697,6 +726,13 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
 # backend does not fuse these reductions). The proxy is a ratio of sums over elements, which about a million
 # values a tensor estimate within a fraction of a percent; the choice is then encoded and measured whole.
 SEARCH_SAMPLE = 1 << 20
+# A large state's residual save keeps its previous choice after one measurement on the whole state
+# (`_kept_residual`) at most this many saves after a search measured how much more error the next wider cells have,
+# and only where that prediction puts them over the budget by this factor. The ratio moves from one save to the
+# next; a prediction that is wrong costs bytes, never quality: the save keeps cells one step finer than the search
+# would have taken, within the budget, for at most this many saves.
+KEPT_AT_MOST = 3
+KEPT_MARGIN = 1.05
 
 
 def _row_sample(x: jax.Array | None) -> jax.Array | None:
@@ -709,19 +745,22 @@ def _row_sample(x: jax.Array | None) -> jax.Array | None:
     return x[::k]
 
 
+def _takes_samples(leaves, quant_idx, factors) -> bool:
+    """Whether a search of these leaves runs on row samples (`_sampled_evaluator`): not where the state is below
+    `SCORED_WITHOUT_ENCODING` values, has no tensor to sample, is a weighted residual (its factors are per axis),
+    or spans several processes (whose searches must agree: the exact search there)."""
+    xs = [leaves[i] for i in quant_idx]
+    return not (sum(int(np.prod(x.shape)) for x in xs) < SCORED_WITHOUT_ENCODING or
+                all(int(np.prod(x.shape)) <= SEARCH_SAMPLE for x in xs) or
+                (factors is not None and any(f is not None for f in factors)) or
+                not all(getattr(x, "is_fully_addressable", True) for x in xs))
+
+
 def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe, residual: bool = False,
-                       factors=None) -> "Evaluator | None":
+                       factors=None) -> "Evaluator":
     """An `Evaluator` (data-free proxy) of the same leaves with the large tensors row-sampled (`_row_sample`,
     their gradients and offsets alike; a closed-loop residual save's candidates scored without encoding them),
-    or None where the state is below `SCORED_WITHOUT_ENCODING` values, has no tensor to sample, is a weighted
-    residual (its factors are per axis), or spans several processes (whose searches must agree: the exact search
-    there)."""
-    xs = [leaves[i] for i in quant_idx]
-    if sum(int(np.prod(x.shape)) for x in xs) < SCORED_WITHOUT_ENCODING or \
-            all(int(np.prod(x.shape)) <= SEARCH_SAMPLE for x in xs) or \
-            (factors is not None and any(f is not None for f in factors)) or \
-            not all(getattr(x, "is_fully_addressable", True) for x in xs):
-        return None
+    for a state that `_takes_samples`."""
     small = list(leaves)
     for i in quant_idx:
         small[i] = _row_sample(leaves[i])
@@ -731,7 +770,7 @@ def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets
 
 
 def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search,
-                    ladder: Callable | None = None) -> Outcome:
+                    ladder: Callable | None = None, known: dict | None = None) -> Outcome:
     """The sampled search's choice encoded and measured on the whole state (the outcome carries that
     measurement and encoding); when the whole state's proxy exceeds `budget` after all, the exact search runs,
     starting from that choice (`search`'s `start`), or, given `ladder` (a configuration -> the less aggressive
@@ -741,10 +780,11 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
     measured, mode "least aggressive"). Nothing feasible on the samples: the exact search decides. A residual save's finest levels (mode "least
     aggressive": nothing within the budget on the samples, not even the finest cells `_finer_residual` offers)
     are kept as measured whole: the exact search could only end at the same finest cells, after scoring the
-    whole state's candidates one ladder at a time."""
+    whole state's candidates one ladder at a time. `known`: configuration -> its `measure_whole` already made
+    (`_kept_residual`'s), used instead of measuring it again."""
     if sampled.quant is None:
         return run_search(evaluator, None)
-    d, payload, decoded = evaluator.measure_whole(sampled.quant)
+    d, payload, decoded = (known or {}).get(sampled.quant) or evaluator.measure_whole(sampled.quant)
     if d <= budget or sampled.mode == "least aggressive":
         mode = "finer" if sampled.mode == "least aggressive" and d <= budget else sampled.mode
         return dataclasses.replace(sampled, degradation=d, mode=mode, evaluations=sampled.evaluations + 1,
@@ -760,6 +800,54 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
     exact = run_search(evaluator, sampled.quant)
     return dataclasses.replace(exact, evaluations=exact.evaluations + sampled.evaluations + 1,
                                rounds=exact.rounds + sampled.rounds + 1)
+
+
+def _step_axis(cube: Cube, q: QuantConfig, metric: str) -> int | None:
+    """The axis of a residual space that varies the cells' width alone (the default's), where `q` is a point of
+    it; else None."""
+    varying = [a for a, v in enumerate(cube.values) if len(v) > 1]
+    if [cube.names[a] for a in varying] != ["step"] or cube.config(cube.point(q), metric) != q:
+        return None
+    return varying[0]
+
+
+def _wider_ratio(ev: "Evaluator", cube: Cube, q: QuantConfig | None, metric: str) -> float | None:
+    """How many times `q`'s error the next wider cells' is, as `ev` scored both (a residual save's search on
+    row samples scores a choice's neighbours in its first round), or None where it did not (or `q` has the
+    widest cells of the space, or no error)."""
+    axis = None if q is None else _step_axis(cube, q, metric)
+    if axis is None or cube.point(q)[axis] == 0:
+        return None
+    wider = dataclasses.replace(q, step=cube.values[axis][cube.point(q)[axis] - 1])
+    d, d_wider = ev.scores.get(q), ev.scores.get(wider)
+    if d is None or d_wider is None or not 0 < d < math.inf or not math.isfinite(d_wider):
+        return None
+    return d_wider / d
+
+
+def _kept_residual(evaluator: "Evaluator", cube: Cube, start: QuantConfig, metric: str, budget: float,
+                   hint: dict | None) -> tuple[Outcome | None, tuple | None]:
+    """A large state's closed-loop residual save whose previous choice `start` may still be its choice, decided
+    with one measurement on the whole state instead of a search on row samples and a measurement of its choice
+    (at 10M parameters the samples are a third of the state, and that search cost more than the encode it
+    chose). The residual space varies the cells' width alone (the default's): `start` is kept (mode "kept") where
+    it is within `budget` and its more aggressive neighbour (the next wider cells) is predicted over it by
+    `KEPT_MARGIN`: `start`'s error times `hint["ratio"]`, how many times its error the wider cells' was when a
+    search last scored both (`_wider_ratio`), at most `KEPT_AT_MOST` saves ago (`hint["saves"]`); the search
+    would then have come back to `start`. The widest
+    cells of the space are kept wherever they are within the budget. Returns (that outcome, or None where the
+    search is to run; `start`'s whole measurement, or None where none was made)."""
+    axis = _step_axis(cube, start, metric)
+    if axis is None:
+        return None, None  # another residual space, or finer cells than it holds
+    widest = cube.point(start)[axis] == 0
+    if not widest and (hint is None or hint["saves"] >= KEPT_AT_MOST):
+        return None, None
+    measured = evaluator.measure_whole(start)
+    d = measured[0]
+    if not d <= budget or not (widest or d * hint["ratio"] > budget * KEPT_MARGIN):
+        return None, measured  # the search decides
+    return Outcome(start, d, "kept", 1, 1, measured[1], measured[2]), measured
 
 
 def _ladder(cube: Cube, q: QuantConfig, metric: str, capacity: int) -> list[QuantConfig]:

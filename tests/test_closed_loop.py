@@ -822,6 +822,52 @@ def test_a_sampled_residual_search_keeps_its_measured_decode_as_the_reconstructi
             np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), held[step][f"['{name}']"].view(np.uint8))
 
 
+def test_a_large_states_residual_saves_keep_their_choice_between_searches_and_across_a_resume(tmp_path,
+                                                                                             monkeypatch):
+    """A large state's residual saves (thresholds lowered) search on row samples, then keep the choice with one
+    measurement on the whole state for at most `search.KEPT_AT_MOST` saves (mode "kept"), then search again; they
+    store the same choices and bytes as saves that search every time, and restore bit for bit what the saver held.
+    A new process that restores the latest step and saves on keeps the choice too: the hint travels in the
+    step's search record."""
+    monkeypatch.setattr(ij.search, "SCORED_WITHOUT_ENCODING", 1000)
+    monkeypatch.setattr(ij.search, "SEARCH_SAMPLE", 512)
+    states = list(walk(21, 9))
+
+    def run(root, upto=len(states)):
+        handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=32))
+        mngr = ocp.CheckpointManager(root, item_handlers=handler)
+        held = []
+        for step, s in enumerate(states[:upto]):
+            mngr.save(step, args=ij.InshrinkSave(s))
+            mngr.wait_until_finished()
+            (_, committed), = handler._states.values()  # noqa: SLF001
+            held.append({k: np.asarray(v) for k, v in committed.result().recon.items()})
+        meta = [mngr.item_metadata(step) for step in range(upto)]
+        return [m["search"]["mode"] for m in meta[1:]], [m["stored_bytes"]["params"] for m in meta], held
+
+    modes, sizes, held = run(tmp_path / "kept")
+    k = ij.search.KEPT_AT_MOST
+    assert modes == ["exhaustive"] + (["kept"] * k + ["exhaustive"] + ["kept"] * k)[:len(modes) - 1], modes
+    monkeypatch.setattr(ij.search, "KEPT_AT_MOST", 0)
+    searched, searched_sizes, _ = run(tmp_path / "searched")
+    assert "kept" not in searched and sizes == searched_sizes
+    for step in (3, 8):
+        out = manager(tmp_path / "kept").restore(step)
+        for name in ("w", "v", "b"):
+            np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), held[step][f"['{name}']"].view(np.uint8))
+    monkeypatch.setattr(ij.search, "KEPT_AT_MOST", k)
+    # Saves 0-3, then a new handler restores step 3 (kept, two saves after a search) and saves step 4: kept.
+    run(tmp_path / "resumed", 4)
+    handler = ij.InshrinkCheckpointHandler(ij.CompressionConfig(keyframe_every=32))
+    mngr = ocp.CheckpointManager(tmp_path / "resumed", item_handlers=handler)
+    mngr.restore(3, args=ij.InshrinkRestore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                          states[3])))
+    mngr.save(4, args=ij.InshrinkSave(states[4]))
+    mngr.wait_until_finished()
+    assert mngr.item_metadata(4)["search"]["mode"] == "kept" and mngr.item_metadata(4)["search"]["wider"]["saves"] == 3
+    assert mngr.item_metadata(4)["stored_bytes"]["params"] == sizes[4]
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_a_residual_links_levels_that_no_code_takes_are_stored_as_zero(tmp_path, sharded):
     """A closed-loop residual whose values leave cells empty between its centre and an outlier: stored whole, every

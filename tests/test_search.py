@@ -834,3 +834,53 @@ def test_a_sampled_choice_that_fails_on_the_whole_state_ends_at_the_least_error_
                         dataclasses.replace(outcome.quant, bins=249, embedding_bins=249, step=0.25))]
     assert outcome.degradation == pytest.approx(min(scores), rel=1e-5)
     assert (outcome.payload is not None and outcome.decoded is not None) == (outcome.quant.step == 0.5)
+
+
+def test_a_large_residual_save_keeps_its_previous_choice_after_one_whole_measurement(monkeypatch):
+    """A large state's residual save searched on row samples records how many times its choice's error the next
+    wider cells' was there ("wider"); the next save, given it back as `hint`, measures its previous choice on the
+    whole state once and keeps it (mode "kept": one candidate, one round, no scoring on the samples, its encoding
+    and decode kept) where that error times the ratio is over the budget by `KEPT_MARGIN`: the exact search's
+    choice, measured exactly as a decode of its encoding scores. The search runs again where the hint is
+    `KEPT_AT_MOST` saves old, where the prediction leaves the wider cells within reach, or without a hint; a
+    previous choice it measured and then chose is not measured twice."""
+    shapes, offs, xs = _large_residual_state(monkeypatch, 0)
+    scored = []
+    scores = quantize.uniform_residual_scores
+    monkeypatch.setattr(quantize, "uniform_residual_scores", lambda *a, **k: scored.append(1) or scores(*a, **k))
+    lts = ["dense", "dense", "other"]
+    cfg = ij.CompressionConfig()
+    budget = cfg.effective_residual_budget
+
+    def run(previous=None, hint=None):
+        return search.choose(list(xs), None, [0, 1, 2], [None] * 3, lts, cfg, None, previous, offsets=offs,
+                             residual=True, hint=hint)
+
+    first, record = run()
+    assert first.quant.step == 1.5 and record["wider"]["saves"] == 0
+    wider = dataclasses.replace(first.quant, step=1.75)
+    sampled = search._sampled_evaluator(list(xs), None, [0, 1, 2], [None] * 3, lts, cfg, offs, False, True)
+    expect = sampled([wider])[0][0] / sampled([first.quant])[0][0]
+    assert record["wider"]["ratio"] == pytest.approx(expect, rel=1e-6) and expect > 1
+    scored.clear()
+    kept, kept_record = run(first.quant, record["wider"])
+    assert (kept.mode, kept.quant, kept.evaluations, kept.rounds) == ("kept", first.quant, 1, 1) and not scored
+    assert kept.degradation * record["wider"]["ratio"] > budget * search.KEPT_MARGIN
+    assert kept_record["wider"] == {"ratio": record["wider"]["ratio"], "saves": 1} and "kept" in kept_record["sampled"]
+    decoded = quantize.dequantize_all(kept.payload, [x.dtype for x in xs])
+    assert kept.degradation == pytest.approx(float(search.proxy_degradation(xs, decoded, [None] * 3, offs)), rel=1e-6)
+    for a, b in zip(kept.decoded, decoded):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+    for hint in ({"ratio": record["wider"]["ratio"], "saves": search.KEPT_AT_MOST},  # too old
+                 {"ratio": budget * search.KEPT_MARGIN / kept.degradation, "saves": 0},  # wider cells within reach
+                 None):
+        scored.clear()
+        again, again_record = run(first.quant, hint)
+        assert again.mode != "kept" and again.quant == first.quant and scored
+        assert again_record["wider"]["saves"] == 0
+        # the sampled search's three candidates in one round, the choice measured whole once (by the kept check
+        # where it made one)
+        assert (again.evaluations, again.rounds) == (4, 2)
+    monkeypatch.setattr(search, "SCORED_WITHOUT_ENCODING", 1 << 30)  # the exact search: the same choice
+    exact, exact_record = run(first.quant, record["wider"])
+    assert exact.quant == first.quant and exact.mode != "kept" and "wider" not in exact_record
