@@ -1140,8 +1140,8 @@ def _add_links(first, upto: Callable, count: int, exps: list, shape: tuple, size
     """`decode_chain`'s kernels: the first link's values, then each residual added, `CHAIN_GROUP` links a call
     (`upto(k)`: the first k links, waited for); the protected positions not yet put in. A tensor that
     `takes_packed` is summed in its own `shape` (each link's padded values cut inside its kernel), so the result is
-    the restored array with no copy to shape it (a 100M-parameter keyframe's restore spent a fifth of its time
-    copying so); a smaller one flat, `size_n` long.
+    the restored array with no copy of the whole tensor to shape it after the sums; a smaller one flat, `size_n`
+    long.
 
     The save's formula replaces a non-finite sum by 0 before the next link is added (`plus_offset`). A packed
     chain's group of unweighted links is added by plain sums instead (`_chain_sum`: with the replacement, XLA's CPU

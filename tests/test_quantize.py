@@ -325,8 +325,8 @@ def test_a_chain_decodes_to_its_links_sum_bit_for_bit_padded_or_not(shape, dtype
 @pytest.mark.parametrize("shape", [(129, 130), (100,)])
 def test_decode_hands_its_host_values_to_the_device_without_a_copy_from_64_kib(shape, dtype, monkeypatch):
     """`quantize.decode` looks an open-loop tensor's levels up on the host: from `codec.ALIGNED_FROM` bytes of
-    values into a 64-byte aligned buffer, which JAX's CPU client takes as the device array's own memory (a 100M-value
-    decode spent a third of its time copying an unaligned one); smaller ones as they come. The values are the
+    values into a 64-byte aligned buffer, which JAX's CPU client takes as the device array's own memory (an
+    unaligned one it copies); smaller ones as they come. The values are the
     table lookup and protected values bit for bit either way."""
     rng = np.random.default_rng(1)
     n, bins = int(np.prod(shape)), 5
@@ -353,7 +353,7 @@ def test_decode_hands_its_host_values_to_the_device_without_a_copy_from_64_kib(s
 def test_a_large_chain_is_summed_in_its_shape_and_returned_without_a_copy(first_link, shape, monkeypatch):
     """A tensor that takes packed codes (every tensor here, with the threshold lowered) is summed in its own shape:
     the array `decode_chain` returns is the buffer its first kernel wrote, updated in place by every later one (no
-    kernel after the sums copies it into shape: a 100M-parameter keyframe's restore spent a fifth of its time so),
+    kernel after the sums copies the whole tensor into shape),
     whether or not its size is a multiple of `PACKED_MULTIPLE` (a padded tail cut inside the kernels), with
     protected weights, and bit for bit the chain decoded flat."""
     rng = np.random.default_rng(5)
