@@ -108,8 +108,8 @@ def state_of_restore(reader: store.Reader, recon: Mapping) -> ItemState:
 def _hint(wider) -> dict | None:
     """A search record's "wider" as `search.choose`'s hint, or None where it is not one (an older record, or a
     record that does not read as one: the next residual save then searches)."""
-    if not isinstance(wider, dict) or not isinstance(wider.get("saves"), int) or \
-            not isinstance(wider.get("ratio"), (int, float)) or not math.isfinite(wider["ratio"]) or \
+    if not isinstance(wider, dict) or type(wider.get("saves")) is not int or \
+            type(wider.get("ratio")) not in (int, float) or not math.isfinite(wider["ratio"]) or \
             wider["ratio"] <= 0 or wider["saves"] < 0:
         return None
     return {"ratio": float(wider["ratio"]), "saves": wider["saves"]}

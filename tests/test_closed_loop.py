@@ -906,3 +906,18 @@ def test_a_residual_links_levels_that_no_code_takes_are_stored_as_zero(tmp_path,
     # step 2 restores to step 1's reconstruction plus its codes' levels, as the save computed it
     want = np.asarray(mngr.restore(1)["w"]) + levels[codes - 1]
     assert np.array_equal(np.asarray(mngr.restore(2)["w"]), want)
+
+
+@pytest.mark.parametrize("wider, expect", [
+    ({"ratio": 1.4, "saves": 2}, {"ratio": 1.4, "saves": 2}),
+    ({"ratio": 2, "saves": 0}, {"ratio": 2.0, "saves": 0}),
+    (None, None), ("1.4", None), ({"ratio": 1.4}, None), ({"ratio": "1.4", "saves": 1}, None),
+    ({"ratio": float("nan"), "saves": 1}, None), ({"ratio": float("inf"), "saves": 1}, None),
+    ({"ratio": 0.0, "saves": 1}, None), ({"ratio": -1.0, "saves": 1}, None), ({"ratio": 1.4, "saves": -1}, None),
+    ({"ratio": 1.4, "saves": 1.0}, None), ({"ratio": 1.4, "saves": True}, None), ({"ratio": True, "saves": 1}, None),
+])
+def test_a_search_records_wider_is_a_hint_only_where_it_reads_as_one(wider, expect):
+    """A step's search record travels into the next residual save's hint (`save._hint`) only as a positive finite
+    ratio and a count of saves that is not negative; anything else (an older record, a record edited by hand) is
+    no hint, and the next residual save searches."""
+    assert save._hint(wider) == expect
