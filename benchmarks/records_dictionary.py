@@ -28,6 +28,7 @@ import zstandard
 import bench_fault_tolerance as ft
 import bench_fidelity
 import report
+import save_breakdown
 from inshrink_jax import store
 
 
@@ -52,23 +53,10 @@ def coded(record: bytes, dictionary: bytes | None = None) -> int:
 def run(name: str, saves: int) -> dict:
     cls = bench_fidelity.WORKLOADS[name]
     work, every = (cls(0) if cls is ft.Mnist else cls(0, cls.steps)), cls.every
-    state = work.create_state()
-    eval_fn = ft.eval_fn_of(work, cls.metric)
-    sens = ft.ij.GradientEMA(every=every)
-    ema = sens.init(state.params)
     root = tempfile.mkdtemp()
     mngr = ocp.CheckpointManager(root, item_handlers=ft.ij.InshrinkCheckpointHandler(ft.ij.CompressionConfig()))
-    written, seen = [], {}
-    for step in range(1, every * saves + 1):
-        state, _, grads = work.train_step(state, *work.batch(step))
-        if sens.active(step):
-            ema = sens.update(ema, grads)
-        if step % every == 0:
-            mngr.save(step, args=ft.ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
-            mngr.wait_until_finished()
-            now = report.files(root)
-            written.append(sum(n for p, n in now.items() if seen.get(p) != n))
-            seen = now
+    written = [sum(new.values()) for _, _, new in
+               save_breakdown.train_saving(work, every, saves, ft.eval_fn_of(work, cls.metric), mngr, root)]
     mngr.close()
     steps = [every * (k + 1) for k in range(saves)]
     out = {"leaves": len(store.read_manifest(os.path.join(root, str(steps[-1]), "default"))[0].leaves),

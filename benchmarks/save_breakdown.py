@@ -80,6 +80,26 @@ def record_levels(body) -> list[tuple[int, float]]:
     return out
 
 
+def train_saving(work, every: int, saves: int, eval_fn, mngr, root: str):
+    """Train `work` (a bench_fidelity workload) for `saves` checkpoints, one every `every` steps, each saved through
+    `mngr` with a GradientEMA and `eval_fn` and waited for; yields after each save (step, state, {path: bytes} of
+    the files under `root` the save wrote or changed)."""
+    state = work.create_state()
+    sens = ft.ij.GradientEMA(every=every)
+    ema = sens.init(state.params)
+    seen: dict = {}
+    for step in range(1, every * saves + 1):
+        state, _, grads = work.train_step(state, *work.batch(step))
+        if sens.active(step):
+            ema = sens.update(ema, grads)
+        if step % every == 0:
+            mngr.save(step, args=ft.ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
+            mngr.wait_until_finished()
+            now = report.files(root)
+            new, seen = {p: n for p, n in now.items() if seen.get(p) != n}, now
+            yield step, state, new
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=sorted(bench_fidelity.WORKLOADS), default="charlm")
@@ -90,24 +110,13 @@ def main(argv=None):
     cfg = ft.ij.CompressionConfig(**bench_fidelity.overrides(args.config))
     cls = bench_fidelity.WORKLOADS[args.workload]
     work, every = (cls(0) if cls is ft.Mnist else cls(0, cls.steps)), cls.every
-    state = work.create_state()
-    eval_fn = ft.eval_fn_of(work, cls.metric)
-    sens = ft.ij.GradientEMA(every=every)
-    ema = sens.init(state.params)
     root = tempfile.mkdtemp()
     mngr = ocp.CheckpointManager(root, item_handlers=ft.ij.InshrinkCheckpointHandler(cfg),
                                  options=ocp.CheckpointManagerOptions(max_to_keep=3))
-    seen, new, streams = {}, {}, []
+    streams = []
     original, save._encode_shard = save._encode_shard, bench_delta.recording_streams(streams)
-    for step in range(1, every * args.saves + 1):
-        state, _, grads = work.train_step(state, *work.batch(step))
-        if sens.active(step):
-            ema = sens.update(ema, grads)
-        if step % every == 0:
-            mngr.save(step, args=ft.ij.InshrinkSave(state, grads=ema, eval_fn=eval_fn))
-            mngr.wait_until_finished()
-            now = report.files(root)
-            new, seen = {p: n for p, n in now.items() if seen.get(p) != n}, now
+    for _, state, new in train_saving(work, every, args.saves, ft.eval_fn_of(work, cls.metric), mngr, root):
+        pass
     mngr.close()
     save._encode_shard = original
     last = every * args.saves
