@@ -183,8 +183,8 @@ class Outcome:
         levels beyond it did), "least aggressive" (nothing did: the finest), "ladder" (a large state's choice on
         row samples failed the budget on the whole state: the first less aggressive one within it there,
         `_measured_whole`) and "kept" (a large state's previous residual choice still within the budget on the
-        whole state, the next wider cells predicted over it: `_kept_residual`); for any other save also "fine" (nothing in the search space met the budget, a fine
-        uniform quantizer did: `_fine_keyframe`).
+        whole state, the next wider cells predicted over it: `_kept_residual`); for any other save also "fine"
+        (nothing in the search space met the budget, a fine uniform quantizer did: `_fine_keyframe`).
       evaluations: candidates evaluated (each one encode + one eval_fn call or proxy).
       rounds: rounds of evaluation (each a batch of at most `search_batch` candidates).
       payload: the evaluator's payload for the chosen candidate (the handler's encoded device arrays).
@@ -708,9 +708,9 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     if wider is not None:
         record["wider"] = wider
     if kept is not None:
-        record["sampled"] = ("the previous choice measured on the whole state and kept: within the budget, and its "
-                             "more aggressive neighbour's error, at least the square of their cells' widths' ratio "
-                             "times its own, over it")
+        record["sampled"] = ("the previous choice measured on the whole state and kept: within the budget, and the "
+                             "next wider cells' error, predicted from the ratio the last search on row samples "
+                             "measured ('wider'), over it")
     elif sampled is not None:
         record["sampled"] = (f"candidates measured on row samples of the tensors of more than {SEARCH_SAMPLE:,} "
                              "values, the choice on the whole state")
