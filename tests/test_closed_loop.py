@@ -822,6 +822,7 @@ def test_a_sampled_residual_search_keeps_its_measured_decode_as_the_reconstructi
             np.testing.assert_array_equal(np.asarray(out[name]).view(np.uint8), held[step][f"['{name}']"].view(np.uint8))
 
 
+@pytest.mark.slow  # 14 s; .ci/run runs it
 def test_a_large_states_residual_saves_keep_their_choice_between_searches_and_across_a_resume(tmp_path,
                                                                                              monkeypatch):
     """A large state's residual saves (thresholds lowered) search on row samples, then keep the choice with one
