@@ -459,6 +459,7 @@ class Evaluator:
         self.gs, self.layer_types, self.cfg, self.eval_fn = list(gs), list(layer_types), cfg, eval_fn
         self.eval_calls = 0
         self.scores: dict[QuantConfig, float] = {}  # candidate -> degradation, of every call
+        self.wholes: dict[QuantConfig, tuple] = {}  # candidate -> its `measure_whole`
         self.baseline: float | None = None  # measured with the first candidates
         self.values: list[float] = []  # every value eval_fn returned, the baseline first
 
@@ -502,9 +503,12 @@ class Evaluator:
     def measure_whole(self, q: QuantConfig) -> tuple[float, list, list | None]:
         """One candidate encoded, even where residual candidates are otherwise scored without encoding (a sampled
         search's choice measured on the whole state: its encoding is then saved as is): (degradation, payload,
-        its leaves dequantized where only the proxy saw them (no eval_fn), else None)."""
-        [out] = self._evaluate([q], True)
-        return out
+        its leaves dequantized where only the proxy saw them (no eval_fn), else None). Once per candidate: a
+        second call returns the first's (`_kept_residual` measures the previous choice, which the search on row
+        samples may then choose again)."""
+        if q not in self.wholes:
+            [self.wholes[q]] = self._evaluate([q], True)
+        return self.wholes[q]
 
     def batched(self, quants: Sequence[QuantConfig]) -> bool:
         """Whether these candidates are scored together without encoding them (closed-loop residuals on uniform
@@ -652,9 +656,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
 
         start = previous if residual and isinstance(previous, QuantConfig) else None
         samples = (residual or (eval_fn is None and previous is None)) and _takes_samples(leaves, quant_idx, factors)
-        kept = known = None
         if samples and start is not None:  # a large state's residual save: the previous choice may still be it
-            kept, known = _kept_residual(evaluator, cube, start, metrics[0], budget, hint)
+            kept = _kept_residual(evaluator, cube, start, metrics[0], budget, hint)
         if kept is not None:
             outcome = kept
         elif not samples:
@@ -665,11 +668,10 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
                                          residual, factors)
             ladder = functools.partial(_ladder, cube, metric=metrics[0], capacity=cfg.bins_capacity) \
                 if residual and sum(len(v) > 1 for v in cube.values) <= 1 else None
-            outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched, ladder,
-                                      {} if known is None else {start: known})
+            outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched, ladder)
             ratio = _wider_ratio(sampled, cube, outcome.quant, metrics[0]) if residual else None
             wider = None if ratio is None else {"ratio": ratio, "saves": 0}
-            if known is not None and outcome.quant != start:  # the previous choice's measurement, not used
+            if start in evaluator.wholes and outcome.quant != start:  # the previous choice's measurement, not used
                 outcome = dataclasses.replace(outcome, evaluations=outcome.evaluations + 1,
                                               rounds=outcome.rounds + 1)
         top = cube.config(cube.top, metrics[0])  # the space's least aggressive configuration
@@ -770,7 +772,7 @@ def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets
 
 
 def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search,
-                    ladder: Callable | None = None, known: dict | None = None) -> Outcome:
+                    ladder: Callable | None = None) -> Outcome:
     """The sampled search's choice encoded and measured on the whole state (the outcome carries that
     measurement and encoding); when the whole state's proxy exceeds `budget` after all, the exact search runs,
     starting from that choice (`search`'s `start`), or, given `ladder` (a configuration -> the less aggressive
@@ -780,11 +782,10 @@ def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run
     measured, mode "least aggressive"). Nothing feasible on the samples: the exact search decides. A residual save's finest levels (mode "least
     aggressive": nothing within the budget on the samples, not even the finest cells `_finer_residual` offers)
     are kept as measured whole: the exact search could only end at the same finest cells, after scoring the
-    whole state's candidates one ladder at a time. `known`: configuration -> its `measure_whole` already made
-    (`_kept_residual`'s), used instead of measuring it again."""
+    whole state's candidates one ladder at a time."""
     if sampled.quant is None:
         return run_search(evaluator, None)
-    d, payload, decoded = (known or {}).get(sampled.quant) or evaluator.measure_whole(sampled.quant)
+    d, payload, decoded = evaluator.measure_whole(sampled.quant)
     if d <= budget or sampled.mode == "least aggressive":
         mode = "finer" if sampled.mode == "least aggressive" and d <= budget else sampled.mode
         return dataclasses.replace(sampled, degradation=d, mode=mode, evaluations=sampled.evaluations + 1,
@@ -826,28 +827,27 @@ def _wider_ratio(ev: "Evaluator", cube: Cube, q: QuantConfig | None, metric: str
 
 
 def _kept_residual(evaluator: "Evaluator", cube: Cube, start: QuantConfig, metric: str, budget: float,
-                   hint: dict | None) -> tuple[Outcome | None, tuple | None]:
+                   hint: dict | None) -> Outcome | None:
     """A large state's closed-loop residual save whose previous choice `start` may still be its choice, decided
     with one measurement on the whole state instead of a search on row samples and a measurement of its choice
-    (at 10M parameters the samples are a third of the state, and that search cost more than the encode it
-    chose). The residual space varies the cells' width alone (the default's): `start` is kept (mode "kept") where
+    (at 10M parameters the samples are a third of the state; benchmarks/results/residual_tails_kept.md times
+    both). The residual space varies the cells' width alone (the default's): `start` is kept (mode "kept") where
     it is within `budget` and its more aggressive neighbour (the next wider cells) is predicted over it by
     `KEPT_MARGIN`: `start`'s error times `hint["ratio"]`, how many times its error the wider cells' was when a
     search last scored both (`_wider_ratio`), at most `KEPT_AT_MOST` saves ago (`hint["saves"]`); the search
     would then have come back to `start`. The widest
-    cells of the space are kept wherever they are within the budget. Returns (that outcome, or None where the
-    search is to run; `start`'s whole measurement, or None where none was made)."""
+    cells of the space are kept wherever they are within the budget. Returns that outcome, or None where the
+    search is to run (which finds `start`'s measurement in the evaluator, where one was made)."""
     axis = _step_axis(cube, start, metric)
     if axis is None:
-        return None, None  # another residual space, or finer cells than it holds
+        return None  # another residual space, or finer cells than it holds
     widest = cube.point(start)[axis] == 0
     if not widest and (hint is None or hint["saves"] >= KEPT_AT_MOST):
-        return None, None
-    measured = evaluator.measure_whole(start)
-    d = measured[0]
+        return None
+    d, payload, decoded = evaluator.measure_whole(start)
     if not d <= budget or not (widest or d * hint["ratio"] > budget * KEPT_MARGIN):
-        return None, measured  # the search decides
-    return Outcome(start, d, "kept", 1, 1, measured[1], measured[2]), measured
+        return None  # the search decides
+    return Outcome(start, d, "kept", 1, 1, payload, decoded)
 
 
 def _ladder(cube: Cube, q: QuantConfig, metric: str, capacity: int) -> list[QuantConfig]:
