@@ -75,6 +75,7 @@ def test_reader_during_saves_and_retention(tmp_path):
     assert kept[-1] == 39 and len(kept) <= 3 + len([s for s in range(40) if s % 5 == 0])
 
 
+@pytest.mark.slow  # 24 s; .ci/run runs it
 def test_gc_between_commit_and_rename_keeps_the_step(tmp_path):
     """A save whose object is committed but whose step directory Orbax has not yet renamed (the window between
     `finalize` and the rename) keeps its data when `inshrink-jax gc --apply` runs in that window."""

@@ -9,6 +9,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import efficientnet as E  # noqa: E402
@@ -45,6 +46,7 @@ def _torch_state_dict(rng):
     return sd
 
 
+@pytest.mark.slow  # 23 s; .ci/run runs it
 def test_conversion_fills_every_variable_with_the_right_layout():
     sd = _torch_state_dict(np.random.default_rng(0))
     # Lite0 has 4,652,008 trainable values (4,694,073 with the batch-norm statistics, as in the real file).

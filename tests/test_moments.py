@@ -149,6 +149,7 @@ def test_first_moments_where_the_second_moment_cannot_scale_are_stored_exactly()
     assert int((enc.codes == quantize.protected_code(enc.bins)).sum()) == 6
 
 
+@pytest.mark.slow  # 22 s; .ci/run runs it
 def test_lions_first_moment_is_coded_within_the_normalized_budget(tmp_path, trained):
     """A Lion state saved with the default configuration: its `mu` comes back within `policy.NORMALIZED_BUDGET` of the
     first-moment budget (squared error against its own), where the full budget would not hold it so close."""

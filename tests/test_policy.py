@@ -28,6 +28,7 @@ def vae_params():
             "trace": {"kernel": w(32, 64)}, "momentum": {"kernel": w(32, 64)}}
 
 
+@pytest.mark.slow  # 21 s; .ci/run runs it
 def test_parameters_under_modules_named_like_moments_are_parameters(tmp_path):
     params = vae_params()
     state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}

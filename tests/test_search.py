@@ -286,6 +286,7 @@ def axes(q):
     return (q["bins"], -q["prune_fraction"], q["protect_fraction"])
 
 
+@pytest.mark.slow  # 34 s; .ci/run runs it
 def test_search_meets_epsilon_tightens_monotonically_and_resumes_after_a_restart(tmp_path, run):
     state, stream, val = run
     eval_fn = eval_loss(val)
@@ -595,6 +596,7 @@ def test_a_keyframe_that_no_configuration_of_the_space_holds_takes_a_fine_unifor
     assert fig["ratio"]["params"] > 3  # lossless float32 would be about 1.1x
 
 
+@pytest.mark.slow  # 30 s; .ci/run runs it
 def test_epsilon_is_the_knob_of_a_saves_bytes(tmp_path, run):
     """One save of a trained digits CNN (a keyframe) at the tightest (0.001), the default (0.01) and the loosest
     (0.05) epsilon: bytes fall as epsilon loosens, the loosest writes less than 0.7x the tightest's, and each
