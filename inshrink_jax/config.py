@@ -222,7 +222,15 @@ class CompressionConfig:
         are tried, the first within it taken, else the finest: a residual save is never lossless. In [0, 1];
         None (the default):
         `RESIDUAL_PER_EPSILON` (20) times `epsilon`, at most 1 (0.2 at the default epsilon).
-      weighted_residuals: a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
+      residual_width_power: how a closed-loop residual save's total error is split between tensors, where its
+        cells are uniform (`RESIDUAL_SPACE`): each tensor's cells are `step` times G^(1 - p) times its own
+        residual's RMS^p (at least an eighth of `step` times its own RMS), G the RMS of the whole state's
+        residual, p this power, in [0, 1]. 1: the same width relative to each tensor's own residual (every
+        tensor's error in proportion to its residual's energy). 0: one width for every tensor, the split that
+        takes the fewest bits for the same total error at high resolution (equal slopes: a tensor that moved
+        little between saves gets no more bits a value than one that moved a lot). 0.5 (the default): half way,
+        in the logarithm. `residual_budget` bounds the same total either way; on residuals of training runs 0.5
+        takes 4-21% fewer bits than 1 at the default budget (benchmarks/results/residual_bound.md). a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
         moment of its shape in the state (Adam's `nu`) is coded as r / M with M about nu^(-1/4), stored as one
         small integer per index of each axis (weighting.py), and `residual_budget` bounds its squared error
         weighted by 1 / M^2: the error goes where the loss is flat. False (the default): every element weighted
@@ -290,6 +298,7 @@ class CompressionConfig:
     closed_loop: bool = True
     residual_space: SearchSpace = RESIDUAL_SPACE
     residual_budget: float | None = None
+    residual_width_power: float = 0.5
     weighted_residuals: bool = False
     search: bool = True
     search_space: SearchSpace = SearchSpace()
@@ -344,7 +353,8 @@ class CompressionConfig:
     def __post_init__(self):
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
                                      ("sigma", 0.0, 1.0, True), ("kmeans_tol", 0.0, math.inf, True),
-                                     ("metric_switch_margin", 0.0, math.inf, True)):
+                                     ("metric_switch_margin", 0.0, math.inf, True),
+                                     ("residual_width_power", 0.0, 1.0, True)):
             _real(name, getattr(self, name), lo, hi, closed)
         if self.moment_bins is not None:
             _integer("moment_bins", self.moment_bins, 2, 127)

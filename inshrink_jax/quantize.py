@@ -244,8 +244,8 @@ class Kind(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "sigma", "iters", "tol", "restarts", "uniform",
                                              "protects", "prunes", "ranged"))
-def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, keys, *,
-            kinds, spec, sigma, iters, tol, restarts, uniform, protects, prunes, ranged=True):
+def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, prune_fraction, step, rate, reference,
+            keys, *, kinds, spec, sigma, iters, tol, restarts, uniform, protects, prunes, ranged=True):
     """Codes, levels (`capacity` slots, the first `bins` used) and in-place protected values of every tensor:
     `xs`, `gs`, `offsets`, `bins` and `keys` hold one entry per layer type (`kinds`); the tensors of one type
     share the prune threshold. The configuration is traced, not static, so one compiled kernel serves every
@@ -277,7 +277,10 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
     as pruned) and `entropy_slots` others, fitted to each tensor's histogram with the code-length weight `rate`
     times the mean square of the type's quantized values (one slope for every tensor of the type: the bits go
     where they remove the most squared error); each value takes the level of least squared error plus that
-    weight times the level's code length (`kmeans.entropy_constrained`)."""
+    weight times the level's code length (`kmeans.entropy_constrained`).
+
+    `reference` (float32 [scale, power], traced): the uniform cells' width reference (`uniform_levels`); [1, 1]
+    for each tensor's own RMS."""
     parts = [_partition(xs[t], gs[t], offsets[t], factors[t], use_sensitivity, protect_fraction, prune_fraction, kind, spec,
                         protects, prunes) for t, kind in enumerate(kinds)]
     keys = [jax.random.split(keys[t], len(xs[t]))[np.asarray(part.order)] for t, part in enumerate(parts)]
@@ -301,7 +304,8 @@ def _encode(xs, gs, offsets, factors, bins, use_sensitivity, protect_fraction, p
             out.append(_entropy_codes(part, kind, rate, spec, n))
             continue
         if uniform:
-            centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins[t], step, kind.capacity))(part.counts)
+            centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, bins[t], step, kind.capacity,
+                                                                reference=reference))(part.counts)
         else:
             centres, widths = fitted[t], jnp.zeros(n, jnp.float32)
         out.append(_level_codes(part, kind, centres, widths, bins[t], uniform, prunes, ranged))
@@ -332,15 +336,15 @@ def error_sums(x, d, w, ref, masked: bool = True):
 
 
 @functools.partial(jax.jit, static_argnames=("kinds", "spec", "dtypes", "masked"))
-def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dtypes, masked):
+def _uniform_residual_sums(xs, offsets, factors, bins, steps, reference, *, kinds, spec, dtypes, masked):
     """The proxy's sums (`error_sums`) of closed-loop residual candidates on uniform cells, without protected or
     pruned values (a residual space's candidates): what `encode_on_device` followed by `dequantize_all` gives,
     scored as `search.proxy_degradation` scores it (weights 1 / M of a weighted residual), without their codes.
     The partition and the histograms (the scatter passes) do not depend on the candidate and run once; the rest
     is vmapped over the candidates (one pass over the values each; compiled once whatever their number).
     `bins[t]` (int32, one per candidate) and `steps` (float32, one per candidate): each candidate's bin count of
-    group t and cell width. Returns (the numerators, one per candidate; the denominator), `masked` or plain
-    (`error_sums`)."""
+    group t and cell width; `reference` the width reference (`uniform_levels`). Returns (the numerators, one per
+    candidate; the denominator), `masked` or plain (`error_sums`)."""
     nums = jnp.zeros(steps.shape, jnp.float32)
     den = jnp.float32(0)
     for t, kind in enumerate(kinds):
@@ -357,7 +361,8 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
             counts = part.counts[rows[k]:rows[k + 1]]
 
             def candidate(nb, step):
-                centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, nb, step, kind.capacity))(counts)
+                centres, widths = jax.vmap(lambda h: uniform_levels(h, spec, nb, step, kind.capacity,
+                                                                    reference=reference))(counts)
                 centres = jnp.where(jnp.arange(kind.capacity) < nb, bf16_table(centres, _largest(x.dtype)),
                                     0.0)  # as `_level_codes`
                 code = jnp.where(finite, 1 + jax.vmap(lambda v, wd: uniform_cell(v, wd, nb))(x32, widths), nb + 1)
@@ -371,13 +376,14 @@ def _uniform_residual_sums(xs, offsets, factors, bins, steps, *, kinds, spec, dt
 
 
 def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[QuantConfig],
-                            cfg: CompressionConfig) -> jax.Array:
+                            cfg: CompressionConfig, reference: np.ndarray | None = None) -> jax.Array:
     """Per candidate (`QuantConfig`s of uniform cells with nothing protected or pruned: a closed-loop residual
     space's), the data-free proxy of its closed-loop residual save against `offsets` (the previous
     reconstruction; `factors` as for `encode_on_device`): the value `search.proxy_degradation` gives the
     candidate's `encode_on_device` and `dequantize_all`, up to the order of the float32 sums, computed without
-    encoding it (one pass per candidate over the tensors; the histograms once). A NumPy float32 array, a value
-    per candidate (waited for: plain sums, and masked ones where a plain one is not finite, `error_sums`)."""
+    encoding it (one pass per candidate over the tensors; the histograms once). `reference`: as for
+    `encode_on_device`. A NumPy float32 array, a value per candidate (waited for: plain sums, and masked ones where
+    a plain one is not finite, `error_sums`)."""
     if any(q.step <= 0 or q.protect_fraction or q.prune_fraction or q.rate for q in quants):
         raise ValueError("uniform_residual_scores takes uniform cells with nothing protected or pruned")
     offsets = list(offsets)
@@ -391,7 +397,7 @@ def uniform_residual_scores(xs, offsets, factors, layer_types, quants: Sequence[
             [[xs[i] for i in idx[t]] for t in ts], [[offsets[i] for i in idx[t]] for t in ts],
             [[factors[i] for i in idx[t]] for t in ts],
             [np.array([q.bins_for(layer_types[idx[t][0]]) for q in quants], np.int32) for t in ts],
-            np.array([q.step for q in quants], np.float32),
+            np.array([q.step for q in quants], np.float32), _reference(reference),
             kinds=tuple(kinds[t] for t in ts), spec=spec,
             dtypes=tuple(tuple(jnp.dtype(xs[i].dtype) for i in idx[t]) for t in ts), masked=masked)
             for ts in device_units([[xs[i] for i in ix] for ix in idx])]
@@ -624,10 +630,16 @@ def stacked(arrs: Sequence[jax.Array]) -> jax.Array:
     return arrs[0][None] if len(arrs) == 1 else jnp.stack(arrs)
 
 
-def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
+def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True, reference=None):
     """Levels of the uniform quantizer (QuantConfig.step) for the values behind a histogram: `bins` cells of width
     step * RMS, -M..bins-1-M with M = (bins - 1) // 2 (centred on 0 for odd `bins`); `capacity` slots ascending,
     the unused ones at +inf; and the cells' width.
+
+    `reference` (None, or float32 [scale, power], traced; `residual_reference`): the width is then step times
+    max(scale * RMS^power, RMS / 8) (power 1 with scale 1: step * RMS exactly): a closed-loop residual's cells
+    take scale = G^(1 - power), G the RMS of the whole state's residual, so a tensor whose residual is small
+    against the state's gets cells wider than its own step, one whose residual is large narrower ones (at least
+    an eighth of its own, so the cells still span it; `CompressionConfig.residual_width_power`).
 
     `centred` (the weights' levels): each inner cell's level is its centre and each of the two outer cells' the
     mean of its values (they hold everything beyond them). Not the mean of every cell: where the density falls
@@ -646,6 +658,9 @@ def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
     n = jnp.sum(h)
     # (masked: the values of empty buckets reach float32's max, whose square overflows)
     rms = jnp.sqrt(jnp.sum(jnp.where(h > 0, h * values * values, 0.0)) / jnp.maximum(n, 1.0))
+    if reference is not None:
+        scale, power = reference[0], reference[1]
+        rms = jnp.where(power == 1, rms, jnp.maximum(scale * rms ** power, rms / 8))
     width = jnp.where(rms > 0, step * rms, 1.0)
     cell = uniform_cell(values, width, bins)
     total = jax.ops.segment_sum(jnp.where(h > 0, h * values, 0.0), cell, num_segments=capacity)
@@ -655,6 +670,53 @@ def uniform_levels(counts, spec, bins, step, capacity, centred: bool = True):
     means = (count > 0) if not centred else (count > 0) & ((slots == 0) | (slots == bins - 1))
     levels = jnp.where(means, total / jnp.where(count > 0, count, 1.0), grid)
     return jnp.where(slots < bins, levels, jnp.inf), width
+
+
+def _reference(reference: np.ndarray | None) -> np.ndarray:
+    """`uniform_levels`' reference as the encoder's traced argument: [1, 1] (each tensor's own RMS) for None."""
+    return np.ones(2, np.float32) if reference is None else np.asarray(reference, np.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("masked",))
+def _residual_energy(xs, offsets, factors, masked):
+    """(sum of squares, number) of the values of the residuals (x - offset) / M of tensors on one device set:
+    every value, or (`masked`) the finite ones (`error_sums`)."""
+    total, count = jnp.float32(0), jnp.float32(0)
+    for x, off, fs in zip(xs, offsets, factors):
+        w = None if fs is None else weighting.pow2(-weighting.exponents(fs))
+        total += error_sums(x, off, w, off, masked)[1]
+        x32 = x.astype(jnp.float32)
+        r = x32 if off is None else x32 - off.astype(jnp.float32)
+        count += jnp.sum(jnp.isfinite(x32) & jnp.isfinite(r)) if masked else x.size
+    return total, count
+
+
+def residual_reference(xs, offsets, factors, power: float) -> np.ndarray | None:
+    """The width reference of a closed-loop residual's uniform cells (`uniform_levels`): [G^(1 - power), power],
+    G the RMS of the whole state's residual ((x - offset) / M of every tensor, weighting.py's M where `factors`
+    are given; the finite values); None where `power` is 1 (each tensor's own RMS) or G is 0 or not finite.
+
+    Why: the residual budget bounds the state's total squared error, and one cell width relative to each
+    tensor's own RMS splits that total in proportion to the tensors' residual energies. At high resolution the
+    split that takes the fewest bits for the same total gives every tensor the same width (equal slopes of error
+    against bits: `power` 0); `power` between weighs the two (`CompressionConfig.residual_width_power`;
+    benchmarks/results/residual_bound.md measures the bits of each on residuals of training runs)."""
+    if power == 1:
+        return None
+    offsets = list(offsets)
+    factors = [None] * len(xs) if factors is None else list(factors)
+
+    def sums(masked: bool) -> tuple[float, float]:
+        parts = [_residual_energy([xs[i] for i in ix], [offsets[i] for i in ix], [factors[i] for i in ix],
+                                  masked=masked) for ix in device_units(list(xs))]
+        return sum(float(t) for t, _ in parts), sum(float(c) for _, c in parts)
+
+    total, count = sums(False)
+    if not math.isfinite(total):
+        total, count = sums(True)
+    if not (count > 0 and math.isfinite(total) and total > 0):
+        return None
+    return np.array([math.sqrt(total / count) ** (1 - power), power], np.float32)
 
 
 def uniform_cell(x, width, bins):
@@ -742,6 +804,7 @@ def encode_on_device(
     offsets: Sequence[jax.Array | None] | None = None,
     sigma: float | None = None,
     factors: Sequence[tuple | None] | None = None,
+    reference: np.ndarray | None = None,
 ) -> list[DeviceCodes]:
     """Run the jitted encoder; tensors of the same layer type share one prune threshold. The kernel is
     compiled once per state structure and kind of levels (k-means or uniform), whatever else `quant` is (its
@@ -760,6 +823,7 @@ def encode_on_device(
       factors: per tensor, None or (for a tensor with an offset) its weighting factors (`weighting.factors`):
         the tensor is then encoded as its weighted residual (x - offset) / M and decodes to offset + M times the
         decoded value.
+      reference: None, or the width reference of a closed-loop residual's uniform cells (`residual_reference`).
 
     Returns:
       One `DeviceCodes` per input, in order. Nothing is waited for: the work is dispatched, and the results
@@ -790,7 +854,7 @@ def encode_on_device(
                 [np.int32(bins[t]) for t in ts],
                 np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
                 np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
-                [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
+                _reference(reference), [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
                 kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
                 iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
                 protects=quant.protect_fraction > 0, prunes=quant.prune_fraction > 0 or quant.step == 0)

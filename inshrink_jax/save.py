@@ -413,8 +413,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
     xs = [p.leaves[i] for i in p.weights]
     layer_types = [p.records[i].layer_type for i in p.weights]
     previous = chain.residual_quant if residual else chain.quant
-    quant, devs, decoded, search_record, choice = configure(p, cfg, eval_fn, previous, offsets, residual, factors,
-                                                            chain.residual_hint if residual else None)
+    quant, devs, decoded, search_record, choice, reference = configure(
+        p, cfg, eval_fn, previous, offsets, residual, factors, chain.residual_hint if residual else None)
     if closed and isinstance(search_record, dict):
         search_record["coding"] = RESIDUAL if residual else KEYFRAME
     recs = list(p.records)
@@ -434,7 +434,8 @@ def dispatch(p: Plan, cfg: CompressionConfig, eval_fn: Callable | None, chain: I
             recs[i] = dataclasses.replace(recs[i], coding=coding)
         if devs is None:
             devs = quantize.encode_on_device(xs, p.grads, layer_types, quant, cfg, offsets=offsets,
-                                             sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors)
+                                             sigma=quantize.RESIDUAL_SIGMA if residual else None, factors=factors,
+                                             reference=reference)
         new_recon = [] if not closed else decoded if decoded is not None else \
             quantize.dequantize_all(devs, [x.dtype for x in xs])
     # First moments take their weight's pruning (not that of a residual: a pruned residual is a weight kept at
@@ -517,12 +518,15 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
               factors: list | None = None, hint: dict | None = None):
     """(configuration or None for lossless, its encoded leaves if the search made them, those leaves dequantized
     if the search made them too (`search.Outcome.decoded`), the search's record, the choice the next save's
-    search starts from). `residual`: a closed-loop residual save (the search runs over `cfg.residual_space`), its
+    search starts from, the width reference an encode of the configuration takes: `search.Outcome.reference`).
+    `residual`: a closed-loop residual save (the search runs over `cfg.residual_space`), its
     weights weighted by `factors` (`residual_factors`); `hint`: `search.choose`'s."""
     if not p.weights:
-        return cfg.quant, None, None, {"mode": "none (no compressed leaves)"}, previous
-    if not cfg.search:
-        return cfg.quant, None, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous
+        return cfg.quant, None, None, {"mode": "none (no compressed leaves)"}, previous, None
+    if not cfg.search:  # a residual on uniform cells still takes the whole state's width reference
+        reference = quantize.residual_reference([p.leaves[i] for i in p.weights], offsets, factors,
+                                                cfg.residual_width_power) if residual and cfg.quant.step else None
+        return cfg.quant, None, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous, reference
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,
                                     previous, offsets, residual, factors, hint)
@@ -530,7 +534,7 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
         warnings.warn(f"eval_fn returned {record['baseline']} for the uncompressed state at this save, so quality "
                       "cannot be measured: this save stores the parameters losslessly, and the next save "
                       "searches again from the last configuration.", stacklevel=4)
-        return None, None, None, record, previous
+        return None, None, None, record, previous, None
     if outcome.quant is None and previous != search.LOSSLESS:
         budget = f"epsilon={cfg.epsilon}" if eval_fn is not None else f"proxy_budget={cfg.effective_proxy_budget}"
         warnings.warn(f"no quantization configuration meets {budget} (the least aggressive one degrades by "
@@ -538,7 +542,7 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
                       f"aggressive configuration and compresses again once it meets the budget. A larger budget, "
                       f"or an eval_fn on more held-out data (less noise), keeps them compressed.", stacklevel=4)
     return (outcome.quant, outcome.payload, outcome.decoded, record,
-            search.LOSSLESS if outcome.quant is None else outcome.quant)
+            search.LOSSLESS if outcome.quant is None else outcome.quant, outcome.reference)
 
 
 def config_json(cfg: CompressionConfig) -> dict:

@@ -192,6 +192,9 @@ class Outcome:
         search's choice measured on the whole state: `_measured_whole`), else None: a closed-loop save keeps
         them as its reconstruction instead of decoding the payload again (at 100M parameters a decode is 0.17 s
         and 400 MB of fresh pages; benchmarks/results/save_pages.md).
+      reference: the width reference of a closed-loop residual's uniform cells (`quantize.residual_reference`)
+        the candidates were measured with, or None: an encode of the choice (where the search did not encode it)
+        takes the same.
     """
 
     quant: QuantConfig | None
@@ -201,6 +204,7 @@ class Outcome:
     rounds: int = 0
     payload: Any = None
     decoded: Any = None
+    reference: Any = None
 
 
 class _Evaluations:
@@ -441,8 +445,9 @@ class Evaluator:
     def __init__(self, leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
                  cfg: CompressionConfig, eval_fn: Callable[[Any], Any] | None, offsets: Sequence | None = None,
                  residual: bool = False, factors: Sequence | None = None, keyframe_floor: bool = False,
-                 scored: bool | None = None):
+                 scored: bool | None = None, reference=None):
         self.leaves, self.treedef, self.quant_idx = leaves, treedef, list(quant_idx)
+        self.reference = reference  # a closed-loop residual's width reference (`quantize.residual_reference`)
         # Residual candidates on uniform cells scored without encoding them (`_uniform_residuals`): by default
         # where the state is large (`SCORED_WITHOUT_ENCODING`); a row-sampled evaluator of a large state says True.
         self.scored = sum(int(np.prod(leaves[i].shape)) for i in quant_idx) >= SCORED_WITHOUT_ENCODING \
@@ -527,7 +532,8 @@ class Evaluator:
         # Dispatch every candidate's encode first, then score them one by one (the proxy waits for its sums).
         sigma = None if self.references is None else quantize.RESIDUAL_SIGMA  # closed-loop residuals
         encoded = [quantize.encode_on_device(self.xs, self.gs, self.layer_types, q, self.cfg, offsets=self.offsets,
-                                             sigma=sigma, factors=self.factors) for q in quants]
+                                             sigma=sigma, factors=self.factors, reference=self.reference)
+                   for q in quants]
         scores, proxies, kept = [], [], []
         for devs in encoded:
             deq = quantize.dequantize_all(devs, [x.dtype for x in self.xs])
@@ -559,7 +565,7 @@ class Evaluator:
         rounds of any size run one compiled kernel."""
         padded = list(quants) + [quants[-1]] * (self.cfg.search_batch - len(quants))
         scores = quantize.uniform_residual_scores(self.xs, self.offsets, self.factors, self.layer_types, padded,
-                                                  self.cfg)
+                                                  self.cfg, self.reference)
         return [(float(s), None) for s in np.asarray(scores)[:len(quants)]]  # one transfer for the round
 
     def trusted(self, d: float, proxy) -> float:
@@ -628,12 +634,16 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         sizes[lt] = sizes.get(lt, 0) + int(np.prod(leaves[i].shape))
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
     keyframe = cfg.closed_loop and not residual and all(o is None for o in offsets or ())  # not against a base
+    # A closed-loop residual's uniform cells are as wide as the whole state's residual says (`uniform_levels`).
+    reference = quantize.residual_reference([leaves[i] for i in quant_idx], offsets, factors,
+                                            cfg.residual_width_power) if residual and any(space.steps) else None
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
-                          offsets=offsets, residual=residual, factors=factors, keyframe_floor=keyframe)
+                          offsets=offsets, residual=residual, factors=factors, keyframe_floor=keyframe,
+                          reference=reference)
     budget = cfg.effective_residual_budget if residual else cfg.epsilon if eval_fn is not None \
         else cfg.effective_proxy_budget
     checker = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, eval_fn, offsets=offsets, residual=True,
-                        factors=factors) \
+                        factors=factors, reference=reference) \
         if residual and eval_fn is not None else evaluator
     proxy = sampled = kept = wider = None
     if eval_fn is not None and not math.isfinite(checker.measure_baseline()):
@@ -665,7 +675,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         else:  # a large state's first search, or residual save: on row samples, then the choice measured whole
             # (a residual space of one axis: its less aggressive rungs after it, where it fails the budget)
             sampled = _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe,
-                                         residual, factors)
+                                         residual, factors, reference)
             ladder = functools.partial(_ladder, cube, metric=metrics[0], capacity=cfg.bins_capacity) \
                 if residual and sum(len(v) > 1 for v in cube.values) <= 1 else None
             outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched, ladder)
@@ -681,6 +691,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
             proxy = outcome.degradation
             outcome = _guard(checker, outcome, cube, metrics[0], cfg.epsilon, cfg.bins_capacity)
         _check_eval_fn(checker, cfg.epsilon if eval_fn is not None else budget)
+    outcome = dataclasses.replace(outcome, reference=reference)
     record = {
         "mode": outcome.mode,
         "quality": ("eval_fn, " + ("higher is better" if cfg.higher_is_better else "lower is better")
@@ -759,16 +770,17 @@ def _takes_samples(leaves, quant_idx, factors) -> bool:
 
 
 def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe, residual: bool = False,
-                       factors=None) -> "Evaluator":
+                       factors=None, reference=None) -> "Evaluator":
     """An `Evaluator` (data-free proxy) of the same leaves with the large tensors row-sampled (`_row_sample`,
-    their gradients and offsets alike; a closed-loop residual save's candidates scored without encoding them),
-    for a state that `_takes_samples`."""
+    their gradients and offsets alike; a closed-loop residual save's candidates scored without encoding them,
+    with the whole state's width `reference`), for a state that `_takes_samples`."""
     small = list(leaves)
     for i in quant_idx:
         small[i] = _row_sample(leaves[i])
     offs = None if offsets is None else [_row_sample(o) for o in offsets]
     return Evaluator(small, treedef, quant_idx, [_row_sample(g) for g in gs], layer_types, cfg, None, offsets=offs,
-                     residual=residual, keyframe_floor=keyframe, scored=True if residual else None)
+                     residual=residual, keyframe_floor=keyframe, scored=True if residual else None,
+                     reference=reference)
 
 
 def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from inshrink_jax import CompressionConfig, QuantConfig, codec, quantize, search, threshold
+from inshrink_jax import CompressionConfig, QuantConfig, codec, quantize, search, sketch, threshold
 
 CFG = CompressionConfig()
 
@@ -615,3 +615,47 @@ def test_the_range_of_the_codes_is_that_of_the_quantized_values(tensors, n, bins
         slot = np.arange(1, 64)
         want = (slot >= q.min()) & (slot <= q.max()) if q.size else np.zeros(63, bool)
         np.testing.assert_array_equal(got[t], want)
+
+
+def test_uniform_cells_take_a_width_reference():
+    """`uniform_levels`' `reference`: [1, 1] gives each tensor's own RMS bit for bit (what None gives); [S, p]
+    cells of step * max(S * RMS^p, RMS / 8), the lower end where the reference would leave 63 cells short of
+    the tensor's values."""
+    spec = sketch.SketchSpec(CFG.alpha)
+    x = jnp.asarray(weights((4096,), 3))
+    h = sketch.histogram(x, spec)
+    plain = quantize.uniform_levels(h, spec, 63, 1.5, quantize.UNIFORM_SLOTS)
+    ones = quantize.uniform_levels(h, spec, 63, 1.5, quantize.UNIFORM_SLOTS, reference=jnp.ones(2, jnp.float32))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(plain, ones))
+    rms = float(plain[1]) / 1.5
+    for scale, power in ((3.0, 0.0), (0.2, 0.5), (0.01, 0.5), (1e-6, 0.0)):
+        levels, width = quantize.uniform_levels(h, spec, 63, 1.5, quantize.UNIFORM_SLOTS,
+                                                reference=jnp.asarray([scale, power], jnp.float32))
+        assert float(width) == pytest.approx(1.5 * max(scale * rms ** power, rms / 8), rel=1e-5)
+        assert float(levels[31]) == 0.0 and float(levels[32]) == pytest.approx(float(width), rel=1e-6)
+
+
+def test_the_width_reference_is_the_rms_of_the_whole_residual():
+    """`residual_reference`: [G^(1 - p), p], G the RMS of every tensor's residual x - offset (its finite values;
+    divided by weighting's M = 2^K where a tensor has factors); None at power 1 or for a residual of zeros."""
+    rng = np.random.default_rng(1)
+    offs = [jnp.asarray(rng.standard_normal(s).astype(np.float32)) for s in ((64, 32), (500,))]
+    xs = [o + jnp.asarray(rng.standard_normal(o.shape).astype(np.float32) * a) for o, a in zip(offs, (1e-3, 1e-1))]
+
+    def rms(parts):
+        vals = np.concatenate([np.ravel(p) for p in parts]).astype(np.float64)
+        vals = vals[np.isfinite(vals)]
+        return np.sqrt((vals ** 2).mean())
+
+    res = [np.asarray(x) - np.asarray(o) for x, o in zip(xs, offs)]
+    assert quantize.residual_reference(xs, offs, None, 1.0) is None
+    assert quantize.residual_reference(offs, offs, None, 0.5) is None
+    for p in (0.0, 0.5):
+        np.testing.assert_allclose(quantize.residual_reference(xs, offs, None, p), [rms(res) ** (1 - p), p], rtol=1e-5)
+    holed = [xs[0].at[1, 2].set(jnp.nan), xs[1].at[7].set(jnp.inf)]
+    res_holed = [np.asarray(x) - np.asarray(o) for x, o in zip(holed, offs)]
+    np.testing.assert_allclose(quantize.residual_reference(holed, offs, None, 0.0), [rms(res_holed), 0.0], rtol=1e-5)
+    # K = floor((4 + 0 + 2) / 4) = 1 for every element of the first tensor: its residual counts halved
+    factors = [(jnp.full((64,), 4, jnp.int32), jnp.zeros((32,), jnp.int32)), None]
+    np.testing.assert_allclose(quantize.residual_reference(xs, offs, factors, 0.0), [rms([res[0] / 2, res[1]]), 0.0],
+                               rtol=1e-5)

@@ -219,13 +219,14 @@ def test_proxy_is_zero_for_exact_values_and_weights_by_gradient():
     assert float(search.proxy_degradation(x, d, [jnp.zeros((4, 4)), jnp.ones((4, 4))])) == 0.0
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-def test_residual_candidates_are_scored_without_encoding_as_their_encoding_scores(weighted):
+@pytest.mark.parametrize("weighted, power", [(False, 1.0), (True, 1.0), (False, 0.5), (True, 0.0)])
+def test_residual_candidates_are_scored_without_encoding_as_their_encoding_scores(weighted, power):
     """`quantize.uniform_residual_scores` (the residual search's scores: the histograms once, one pass per
     candidate, no codes) equals `proxy_degradation` of each candidate's encode + dequantize, up to the order of the
     float32 sums: several layer types and shapes, an embedding table with its own bins, a non-finite weight, a
     bfloat16 tensor, a tensor sharded over two devices, a weighted residual (factors from a second moment whose
-    rows and columns differ by orders of magnitude)."""
+    rows and columns differ by orders of magnitude), cells of each tensor's own RMS (power 1) or of the whole
+    state's width reference (`quantize.residual_reference`, both given it)."""
     rng = np.random.default_rng(0)
     shapes = [(64, 32), (64, 32), (100,), (300, 20), (96, 40), (128, 16)]
     lts = ["dense", "dense", "other", "embedding", "dense", "dense"]
@@ -246,13 +247,15 @@ def test_residual_candidates_are_scored_without_encoding_as_their_encoding_score
               for s in (1.0, 1.5, 4.0)] + [QuantConfig(bins=31, embedding_bins=125, protect_fraction=0.0,
                                                        prune_fraction=0.0, step=0.5)]
     cfg = ij.CompressionConfig()
-    fast = np.asarray(quantize.uniform_residual_scores(xs, offs, factors, lts, quants, cfg))
+    reference = quantize.residual_reference(xs, offs, factors, power)
+    assert (reference is None) == (power == 1)
+    fast = np.asarray(quantize.uniform_residual_scores(xs, offs, factors, lts, quants, cfg, reference))
     weights = [None] * len(xs) if factors is None else \
         quantize.map_by_device_set(weighting.inverse_multipliers, factors)
     seen = set()
     for q, f in zip(quants, fast):
         devs = quantize.encode_on_device(xs, [None] * len(xs), lts, q, cfg, offsets=offs,
-                                         sigma=quantize.RESIDUAL_SIGMA, factors=factors)
+                                         sigma=quantize.RESIDUAL_SIGMA, factors=factors, reference=reference)
         slow = float(search.proxy_degradation(xs, quantize.dequantize_all(devs, [x.dtype for x in xs]), weights,
                                               offs))
         assert 0 < slow < 2 and float(f) == pytest.approx(slow, rel=1e-5)
@@ -628,6 +631,38 @@ RESIDUAL_CUBE = search.Cube.build(config.KMEANS_RESIDUAL_SPACE, True, QuantConfi
 RESIDUAL_POINTS = list(itertools.product(*[range(len(v)) for v in RESIDUAL_CUBE.values]))
 
 
+def test_the_residual_width_power_splits_the_error_between_tensors():
+    """A closed-loop residual save of two tensors whose residuals differ 10x in RMS, the default residual space
+    and budget (0.2 of the state's residual energy): at power 1 each tensor keeps about the same share of its own
+    residual's energy as error; at power 0 one width serves both, so the tensor that moved little is hardly coded
+    (nearly all its codes the zero cell: its residual is the error the next save carries) and the one that moved
+    a lot takes cells finer than its own RMS gives; 0.5 lies between. The total within the budget every time, the
+    codes' order-0 entropy falling with the power, and the search's measurement is its encoding's."""
+    rng = np.random.default_rng(4)
+    offs = [jnp.asarray(rng.standard_normal((128, 64)).astype(np.float32) * 0.05) for _ in range(2)]
+    xs = [o + jnp.asarray(rng.standard_normal(o.shape).astype(np.float32) * a) for o, a in zip(offs, (1e-2, 1e-1))]
+    shares, bits = {}, {}
+    for power in (1.0, 0.5, 0.0):
+        cfg = ij.CompressionConfig(residual_width_power=power)
+        outcome, _ = search.choose(list(xs), None, [0, 1], [None] * 2, ["dense", "dense"], cfg, None, None,
+                                   offsets=offs, residual=True)
+        assert (outcome.reference is None) == (power == 1)
+        decoded = quantize.dequantize_all(outcome.payload, [x.dtype for x in xs])
+        shares[power] = [float(jnp.sum((x - d) ** 2) / jnp.sum((x - o) ** 2)) for x, d, o in zip(xs, decoded, offs)]
+        total = float(search.proxy_degradation(xs, decoded, [None] * 2, offs))
+        assert outcome.degradation == pytest.approx(total, rel=1e-5) and total <= cfg.effective_residual_budget
+        codes = [np.asarray(dev.codes) for dev in outcome.payload]
+        bits[power] = [float(-(p * np.log2(p)).sum()) * c.size
+                       for c in codes for p in [np.unique(c, return_counts=True)[1] / c.size]]
+        if power == 0:
+            assert bits[0.0][0] < 0.01 * 8192
+    small, large = zip(*(shares[p] for p in (1.0, 0.5, 0.0)))
+    assert 0.05 < small[0] < 0.25 and 0.05 < large[0] < 0.25 and max(shares[1.0]) / min(shares[1.0]) < 1.2
+    assert small[0] < small[1] < small[2] and small[2] > 0.95
+    assert large[0] > large[1] >= large[2]
+    assert sum(bits[1.0]) > sum(bits[0.5]) > sum(bits[0.0])
+
+
 @given(st.lists(st.floats(0.0, 1.0), min_size=3, max_size=3), st.floats(0.02, 0.6), st.sampled_from([1, 2, 4]))
 def test_the_residual_search_does_not_take_pruning_to_cost_quality(noise, budget, batch):
     """A closed-loop residual's error falls with more levels but not always with less pruning (a pruned residual
@@ -823,7 +858,9 @@ def test_a_sampled_choice_that_fails_on_the_whole_state_ends_at_the_least_error_
           for o, s in zip(offs, shapes)]
     sampled = search._sampled_evaluator
     monkeypatch.setattr(search, "_sampled_evaluator", lambda leaves, *a: sampled(easy, *a))
-    cfg = ij.CompressionConfig(epsilon=0.002)
+    # Each tensor's cells relative to its own residual: the whole state's outliers would otherwise widen the
+    # samples' cells too (the width reference is the whole state's), which is not what this test is about.
+    cfg = ij.CompressionConfig(epsilon=0.002, residual_width_power=1.0)
     outcome, record = search.choose(list(xs), None, [0, 1], [None] * 2, ["dense", "dense"], cfg, None, None,
                                     offsets=offs, residual=True)
     assert outcome.mode == "least aggressive" and outcome.degradation > cfg.effective_residual_budget
