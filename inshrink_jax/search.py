@@ -634,9 +634,16 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         sizes[lt] = sizes.get(lt, 0) + int(np.prod(leaves[i].shape))
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
     keyframe = cfg.closed_loop and not residual and all(o is None for o in offsets or ())  # not against a base
-    # A closed-loop residual's uniform cells are as wide as the whole state's residual says (`uniform_levels`).
-    reference = quantize.residual_reference([leaves[i] for i in quant_idx], offsets, factors,
-                                            cfg.residual_width_power) if residual and any(space.steps) else None
+    samples = (residual or (eval_fn is None and previous is None)) and _takes_samples(leaves, quant_idx, factors)
+    # A closed-loop residual's uniform cells are as wide as the whole state's residual says (`uniform_levels`):
+    # its RMS from the row samples where the search takes them (a pass over a 100M-parameter state would cost a
+    # tenth of its save; the samples give it within a fraction of a percent, and every candidate and the choice's
+    # encoding take the same number).
+    reference = None
+    if residual and any(space.steps):
+        reference = quantize.residual_reference(
+            *(([_row_sample(leaves[i]) for i in quant_idx], [_row_sample(o) for o in offsets]) if samples else
+              ([leaves[i] for i in quant_idx], offsets)), factors, cfg.residual_width_power)
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
                           offsets=offsets, residual=residual, factors=factors, keyframe_floor=keyframe,
                           reference=reference)
@@ -665,7 +672,6 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
             return outcome
 
         start = previous if residual and isinstance(previous, QuantConfig) else None
-        samples = (residual or (eval_fn is None and previous is None)) and _takes_samples(leaves, quant_idx, factors)
         if samples and start is not None:  # a large state's residual save: the previous choice may still be it
             kept = _kept_residual(evaluator, cube, start, metrics[0], budget, hint)
         if kept is not None:
