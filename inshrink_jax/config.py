@@ -231,7 +231,8 @@ class CompressionConfig:
         little between saves gets no more bits a value than one that moved a lot). 0.5 (the default): half way,
         in the logarithm. `residual_budget` bounds the same total either way; on the residuals of five training
         runs 0.5 took 0.6-9.8% fewer bits than 1 at the default budget, 0 1.1-17.1%, the most where the tensors'
-        residuals differ most in size (benchmarks/results/residual_bound.md). a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
+        residuals differ most in size (benchmarks/results/residual_bound.md).
+      weighted_residuals: a residual of a tensor of 2 or more dimensions whose weight has an optimizer second
         moment of its shape in the state (Adam's `nu`) is coded as r / M with M about nu^(-1/4), stored as one
         small integer per index of each axis (weighting.py), and `residual_budget` bounds its squared error
         weighted by 1 / M^2: the error goes where the loss is flat. False (the default): every element weighted

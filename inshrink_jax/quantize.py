@@ -854,7 +854,8 @@ def encode_on_device(
                 [np.int32(bins[t]) for t in ts],
                 np.bool_(quant.prune_metric == "sensitivity"), np.float32(quant.protect_fraction),
                 np.float32(quant.prune_fraction), np.float32(quant.step), np.float32(quant.rate),
-                _reference(reference), [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
+                _reference(reference),
+                [seed_key(cfg.seed, t) if key is None else jax.random.fold_in(key, t) for t in ts],
                 kinds=tuple(kinds[t] for t in ts), spec=spec, sigma=cfg.sigma if sigma is None else sigma,
                 iters=cfg.kmeans_iters, tol=cfg.kmeans_tol, restarts=cfg.kmeans_restarts, uniform=quant.step > 0,
                 protects=quant.protect_fraction > 0, prunes=quant.prune_fraction > 0 or quant.step == 0)
