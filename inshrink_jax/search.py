@@ -636,9 +636,9 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
     keyframe = cfg.closed_loop and not residual and all(o is None for o in offsets or ())  # not against a base
     samples = (residual or (eval_fn is None and previous is None)) and _takes_samples(leaves, quant_idx, factors)
     # A closed-loop residual's uniform cells are as wide as the whole state's residual says (`uniform_levels`):
-    # its RMS from the row samples where the search takes them (not one more pass over every value of a large
-    # state; a mean over the samples, like the proxy's sums on them, `SEARCH_SAMPLE`), and every candidate and
-    # the choice's encoding take the same number.
+    # where the search takes row samples, the RMS of the samples (not one more pass over every value of a large
+    # state; a sampled tensor counts by its sample, so small tensors weigh more than in the whole state's RMS),
+    # and every candidate and the choice's encoding take the same number.
     reference = None
     if residual and any(space.steps):
         reference = quantize.residual_reference(
