@@ -55,6 +55,7 @@ sys.path.insert(0, HERE)
 import bench_fault_tolerance as ft  # noqa: E402
 import bench_fidelity as bf  # noqa: E402
 import report  # noqa: E402
+from residual_coding import entropy_bits  # noqa: E402
 
 from inshrink_jax import config, save  # noqa: E402
 
@@ -63,13 +64,6 @@ HALF = (CELLS - 1) // 2
 GRID = tuple(sorted(config.RESIDUAL_SPACE.steps))
 COLUMNS = ("power 1", "power 1, exact step", "power 1/2 (default)", "power 0", "lower bound, each tensor's budget",
            "Gaussian bound, the state's budget")
-
-
-def entropy_bits(q: np.ndarray) -> float:
-    """Order-0 entropy of the integers `q`, in bits (all of them)."""
-    _, c = np.unique(q, return_counts=True)
-    p = c / c.sum()
-    return float(-(p * np.log2(p)).sum() * q.size)
 
 
 def quantized(rs, widths):

@@ -706,17 +706,15 @@ def residual_reference(xs, offsets, factors, power: float) -> np.ndarray | None:
     offsets = list(offsets)
     factors = [None] * len(xs) if factors is None else list(factors)
 
-    def sums(masked: bool) -> tuple[float, float]:
+    def sums(masked: bool) -> tuple[np.float32, np.float32]:
         parts = [_residual_energy([xs[i] for i in ix], [offsets[i] for i in ix], [factors[i] for i in ix],
                                   masked=masked) for ix in device_units(list(xs))]
-        return sum(float(t) for t, _ in parts), sum(float(c) for _, c in parts)
+        return tuple(np.float32(sum(float(v[k]) for v in parts)) for k in (0, 1))
 
-    total, count = sums(False)
-    if not math.isfinite(total):
-        total, count = sums(True)
-    if not (count > 0 and math.isfinite(total) and total > 0):
+    mean_square = float(proxy_ratio(sums))  # plain sums, the finite values' where those are not finite
+    if not (math.isfinite(mean_square) and mean_square > 0):
         return None
-    return np.array([math.sqrt(total / count) ** (1 - power), power], np.float32)
+    return np.array([math.sqrt(mean_square) ** (1 - power), power], np.float32)
 
 
 def uniform_cell(x, width, bins):
