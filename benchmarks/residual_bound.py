@@ -143,9 +143,16 @@ def shannon_lower_bound(rs, budget: float) -> float:
     return total
 
 
-def trajectory(name: str, saves: int):
-    """(workload, [parameters at each save]) of seed 0, `saves` intervals (0: the workload's whole run), float
-    parameters of 64+ values."""
+def coded_parameters(state) -> list[np.ndarray]:
+    """The float parameters of 64+ values (`save.MIN_RESIDUAL_SIZE`) of a training state, as float32 arrays."""
+    leaves = [np.asarray(a, np.float32) for a in jax.tree_util.tree_leaves(state.params)
+              if np.issubdtype(np.asarray(a).dtype, np.floating)]
+    return [a for a in leaves if a.ndim >= 1 and a.size >= save.MIN_RESIDUAL_SIZE]
+
+
+def trajectory(name: str, saves: int, take=coded_parameters):
+    """(workload, [take(state) at each save]) of seed 0, `saves` intervals (0: the workload's whole run); by
+    default the float parameters of 64+ values."""
     cls = bf.WORKLOADS[name]
     saves = saves or cls.steps // cls.every
     work = cls(0) if cls is ft.Mnist else cls(0, cls.steps)
@@ -154,9 +161,7 @@ def trajectory(name: str, saves: int):
     for step in range(1, cls.every * saves + 1):
         state, _, _ = work.train_step(state, *work.batch(step))
         if step % cls.every == 0:
-            leaves = [np.asarray(a, np.float32) for a in jax.tree_util.tree_leaves(state.params)
-                      if np.issubdtype(np.asarray(a).dtype, np.floating)]
-            snaps.append([a for a in leaves if a.ndim >= 1 and a.size >= save.MIN_RESIDUAL_SIZE])
+            snaps.append(take(state))
     return work, cls, snaps
 
 

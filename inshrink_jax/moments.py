@@ -189,40 +189,88 @@ def _ratio(m, s, wc, prunes, *, spec):
     return jnp.where(keep, r, 0.0), zero, exact, sketch.histogram(r, spec, keep)
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _widths(hist, budget, *, spec):
-    """(levels in `FIRST_CAPACITY` slots, cell count, cell width) of the widest of `FIRST_STEPS` whose squared
-    error on the histogram is at most `budget` of the sum of squares (the least error of them if none is), refined
-    to the widest of `FIRST_REFINE` widths between it and the next wider step that is within the budget too."""
+def _cells_at(hist, step, reference, *, spec):
+    """(levels in `FIRST_CAPACITY` slots, cell count, cell width, squared error on the histogram) of the cells
+    `step` times the ratio's width reference wide (`quantize.uniform_levels`: [scale, power], so step times
+    max(scale RMS^power, RMS / 8); [1, 1]: step times its own RMS), as many as the ratio's range needs."""
     reps = jnp.asarray(spec.representatives())
     h = hist.astype(jnp.float32)
     busy = h > 0
-    total = jnp.sum(jnp.where(busy, h * reps * reps, 0.0))
-    rms = jnp.sqrt(total / jnp.maximum(jnp.sum(h), 1.0))
+    rms = jnp.sqrt(jnp.sum(jnp.where(busy, h * reps * reps, 0.0)) / jnp.maximum(jnp.sum(h), 1.0))
     top = jnp.max(jnp.where(busy, jnp.abs(reps), 0.0))
+    scale, power = reference[0], reference[1]
+    width = step * jnp.where(power == 1, rms, jnp.maximum(scale * rms ** power, rms / 8))
+    width = jnp.where(rms > 0, width, 1.0)  # quantize.uniform_levels' width
+    cells = 2 * jnp.clip(jnp.ceil(top / width - 0.5), 0, (FIRST_CAPACITY - 1) // 2).astype(jnp.int32) + 1
+    levels, width = quantize.uniform_levels(h, spec, cells, step, FIRST_CAPACITY, centred=False, reference=reference)
+    levels = jnp.where(jnp.arange(FIRST_CAPACITY) < cells, levels, 0.0)
+    err = jnp.sum(jnp.where(busy, h * (reps - levels[quantize.uniform_cell(reps, width, cells)]) ** 2, 0.0))
+    return levels, cells, width, err
 
-    def one(step):
-        width = jnp.where(rms > 0, step * rms, 1.0)  # quantize.uniform_levels' width
-        cells = 2 * jnp.clip(jnp.ceil(top / width - 0.5), 0, (FIRST_CAPACITY - 1) // 2).astype(jnp.int32) + 1
-        levels, width = quantize.uniform_levels(h, spec, cells, step, FIRST_CAPACITY, centred=False)
-        levels = jnp.where(jnp.arange(FIRST_CAPACITY) < cells, levels, 0.0)
-        err = jnp.sum(jnp.where(busy, h * (reps - levels[quantize.uniform_cell(reps, width, cells)]) ** 2, 0.0))
-        return levels, cells, width, err
 
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _energy(hist, *, spec):
+    """(sum of squares, count) of the ratio's values on its histogram."""
+    reps = jnp.asarray(spec.representatives())
+    h = hist.astype(jnp.float32)
+    return jnp.sum(jnp.where(h > 0, h * reps * reps, 0.0)), jnp.sum(h)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _errors(hist, steps, reference, *, spec):
+    """The squared error on the histogram of the cells of each of `steps` (`_cells_at`)."""
+    return jax.vmap(lambda step: _cells_at(hist, step, reference, spec=spec)[3])(steps)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _levels(hist, step, reference, *, spec):
+    """(levels, cell count, cell width) of the cells of `step` (`_cells_at`)."""
+    return _cells_at(hist, step, reference, spec=spec)[:3]
+
+
+@jax.jit
+def _reference(energies, counts, power):
+    """[G^(1 - power), power] of moments whose ratios' sums of squares and counts are given, G the RMS of all
+    their values ([1, 1] where G is 0)."""
+    g = jnp.sqrt(jnp.sum(energies) / jnp.maximum(jnp.sum(counts), 1.0))
+    return jnp.stack([jnp.where(g > 0, g ** (1 - power), 1.0), jnp.where(g > 0, power, 1.0)])
+
+
+@jax.jit
+def _coarse(errs, allowed):
+    """(index of the widest of `FIRST_STEPS` whose summed error is within `allowed`, or of the least error where
+    none is; whether one is; the steps between it and the next wider one that refine it)."""
     steps = jnp.asarray(FIRST_STEPS, jnp.float32)
-    levels, cells, widths, errs = jax.vmap(one)(steps)
-    within = errs <= budget * total
+    within = errs <= allowed
     found = jnp.any(within)
-    choice = jnp.where(found, len(FIRST_STEPS) - 1 - jnp.argmax(within[::-1]), jnp.argmin(errs))
-    # the widths between the choice and the next wider step: the widest of them within the budget, if any
-    wider = steps[jnp.minimum(choice + 1, len(FIRST_STEPS) - 1)]
+    k = jnp.where(found, len(FIRST_STEPS) - 1 - jnp.argmax(within[::-1]), jnp.argmin(errs))
+    wider = steps[jnp.minimum(k + 1, len(FIRST_STEPS) - 1)]
     fractions = jnp.arange(1, FIRST_REFINE + 1, dtype=jnp.float32) / (FIRST_REFINE + 1)
-    f_levels, f_cells, f_widths, f_errs = jax.vmap(one)(steps[choice] * (wider / steps[choice]) ** fractions)
-    f_within = (f_errs <= budget * total) & found
-    fine = FIRST_REFINE - 1 - jnp.argmax(f_within[::-1])
-    refined = jnp.any(f_within)
-    return (jnp.where(refined, f_levels[fine], levels[choice]), jnp.where(refined, f_cells[fine], cells[choice]),
-            jnp.where(refined, f_widths[fine], widths[choice]))
+    return steps[k], found, steps[k] * (wider / steps[k]) ** fractions
+
+
+@jax.jit
+def _fine(step, found, fine_steps, fine_errs, allowed):
+    """The widest of `fine_steps` whose summed error is within `allowed` where the coarse step was, else it."""
+    within = (fine_errs <= allowed) & found
+    return jnp.where(jnp.any(within), fine_steps[FIRST_REFINE - 1 - jnp.argmax(within[::-1])], step)
+
+
+def _steps(hists: list, budget: float, power: float) -> tuple[jax.Array, jax.Array]:
+    """(step, width reference) of first moments coded within one budget (`encode_first_on_device`): the widest
+    step whose squared error summed over all of them is at most `budget` of their summed squares (the least
+    error of `FIRST_STEPS` if none is), on `FIRST_STEPS` refined by `FIRST_REFINE`; each moment's cells `step`
+    times G^(1 - power) times its ratio's RMS^power (at least step times its RMS / 8), G the RMS of all their
+    ratios. Device values, not waited for (the arrays are of one device set)."""
+    spec = RATIO_SKETCH
+    sums = [_energy(h, spec=spec) for h in hists]
+    energies, counts = jnp.stack([e for e, _ in sums]), jnp.stack([c for _, c in sums])
+    reference = _reference(energies, counts, np.float32(power))
+    allowed = np.float32(budget) * jnp.sum(energies)
+    steps = jnp.asarray(FIRST_STEPS, jnp.float32)
+    step, found, fine_steps = _coarse(sum(_errors(h, steps, reference, spec=spec) for h in hists), allowed)
+    fine_errs = sum(_errors(h, fine_steps, reference, spec=spec) for h in hists)
+    return _fine(step, found, fine_steps, fine_errs, allowed), reference
 
 
 @jax.jit
@@ -266,10 +314,21 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
     budgets = [1.0] * len(ms) if budgets is None else list(budgets)
     if not len(prunes) == len(budgets) == len(ms):
         raise ValueError("moments.encode_first_on_device needs one prunes flag and one budget factor per moment")
-    out = []
-    for m, s, wc, pr, b in zip(ms, scales, weight_codes, prunes, budgets):
-        r, zero, exact, hist = _ratio(m, s, wc, np.bool_(pr), spec=RATIO_SKETCH)
-        levels, cells, width = _widths(hist, np.float32(b * cfg.effective_moment_budget), spec=RATIO_SKETCH)
-        codes, table, in_place = _codes(m, r, zero, exact, levels, cells, width)
-        out.append(DeviceCodes(codes, table, in_place, cells, scale=s))
+    ratios = [_ratio(m, s, wc, np.bool_(pr), spec=RATIO_SKETCH)
+              for m, s, wc, pr in zip(ms, scales, weight_codes, prunes)]
+    # one budget for the moments of one budget factor, of the same units (relative to a second moment or not)
+    # and on one device set
+    groups: dict = {}
+    for u, unit in enumerate(quantize.device_units(list(ms))):
+        for i in unit:
+            groups.setdefault((u, budgets[i], scales[i] is None), []).append(i)
+    out: list[DeviceCodes | None] = [None] * len(ms)
+    for (_, b, _), members in groups.items():
+        step, reference = _steps([ratios[i][3] for i in members], b * cfg.effective_moment_budget,
+                                 cfg.moment_width_power)
+        for i in members:
+            r, zero, exact, hist = ratios[i]
+            levels, cells, width = _levels(hist, step, reference, spec=RATIO_SKETCH)
+            codes, table, in_place = _codes(ms[i], r, zero, exact, levels, cells, width)
+            out[i] = DeviceCodes(codes, table, in_place, cells, scale=scales[i])
     return out
