@@ -18,14 +18,16 @@ what the stored streams cost within a few percent), averaged over the saves, and
   1.186x apart) whose error is at most the budget times its energy (the least error of them if none is): earlier
   releases' choice.
 - **each tensor, refined**: the same, refined by `moments.FIRST_REFINE` widths between it and the next wider step
-  (1.022x apart): this release's choice.
-- **library**: `moments.encode_first_on_device`'s codes (its width measured on the ratio's histogram, buckets 5%
-  wide): this release's encoder itself, to check the model of the column before.
-- **whole save, power p** (not built): one budget for all of a save's first moments of one budget factor, the
-  total error at most the budget times their total energy, each tensor's width `s` G^(1-p) RMS_i^p (at least
-  `s` RMS_i / 8; G the RMS of all their ratios), `s` solved to meet it (bisection): power 1 shares the error in
-  proportion to each tensor's energy, power 0 gives all one width (equal slopes: the fewest bits for the same
-  total at high resolution), as `CompressionConfig.residual_width_power` splits a residual's.
+  (1.022x apart).
+- **whole save, power p**: one budget for all of a save's first moments of one budget factor and units (relative to a second moment or
+  not), the total error at
+  most the budget times their total energy, each tensor's width `s` G^(1-p) RMS_i^p (at least `s` RMS_i / 8; G the
+  RMS of all their ratios), `s` solved to meet it (bisection): power 1 shares the error in proportion to each
+  tensor's energy, power 0 gives all one width (equal slopes: the fewest bits for the same total at high
+  resolution). Power 1/2 is this release's split (`CompressionConfig.moment_width_power`).
+- **library**: `moments.encode_first_on_device` on all of the save's first moments in one call, with their budget
+  factors (its step on `FIRST_STEPS` refined, its errors measured on the ratios' histograms, buckets 5% wide): this
+  release's encoder itself, to check the model of "whole save, power 1/2".
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ from inshrink_jax import CompressionConfig, moments, save  # noqa: E402
 
 CFG = CompressionConfig()
 HALF = (moments.FIRST_CAPACITY - 1) // 2
-COLUMNS = ("each tensor, coarse grid", "each tensor, refined", "library", "whole save, power 1",
-           "whole save, power 1/2", "whole save, power 0")
+COLUMNS = ("each tensor, coarse grid", "each tensor, refined", "whole save, power 1", "whole save, power 1/2",
+           "whole save, power 0", "library")
 
 
 def first_moments(state):
@@ -99,16 +101,19 @@ def per_tensor(r, budget, refine: bool):
     return best
 
 
-def library(m, s, budget):
-    """(codes, error) of moments.encode_first_on_device on the moment `m` relative to `s`."""
-    cfg = CompressionConfig(moment_budget=budget)
-    dev, = moments.encode_first_on_device([jnp.asarray(m)], [None if s is None else jnp.asarray(s)], [None], cfg)
-    codes = np.asarray(dev.codes).ravel()
-    decoded = np.asarray(dev.dequantize(jnp.float32), np.float64).ravel()
-    m = np.asarray(m, np.float64).ravel()
-    root = np.ones_like(m) if s is None else np.sqrt(np.asarray(s, np.float64).ravel())
-    ok = root > 0
-    return codes, float((((decoded - m)[ok] / root[ok]) ** 2).sum())
+def library(moms) -> list:
+    """[(codes, error)] of moments.encode_first_on_device on all of `moms` in one call, as a save codes them."""
+    devs = moments.encode_first_on_device(
+        [jnp.asarray(m) for _, m, _, _ in moms], [None if s is None else jnp.asarray(s) for _, _, s, _ in moms],
+        [None] * len(moms), CFG, budgets=[b / CFG.effective_moment_budget for *_, b in moms])
+    out = []
+    for d, (_, m, s, _) in zip(devs, moms):
+        decoded = np.asarray(d.dequantize(jnp.float32), np.float64).ravel()
+        m = np.asarray(m, np.float64).ravel()
+        root = np.ones_like(m) if s is None else np.sqrt(np.asarray(s, np.float64).ravel())
+        ok = root > 0
+        out.append((np.asarray(d.codes).ravel(), float((((decoded - m)[ok] / root[ok]) ** 2).sum())))
+    return out
 
 
 def whole_save(rs, budget, power):
@@ -141,11 +146,11 @@ def measure(snaps) -> dict:
         values += sum(r.size for r, _, _, _ in moms)
         outs = {COLUMNS[0]: [per_tensor(r, b, False) for r, _, _, b in moms],
                 COLUMNS[1]: [per_tensor(r, b, True) for r, _, _, b in moms],
-                COLUMNS[2]: [library(m, s, b) for _, m, s, b in moms]}
-        for name, power in zip(COLUMNS[3:], (1.0, 0.5, 0.0)):
+                COLUMNS[5]: library(moms)}
+        for name, power in zip(COLUMNS[2:5], (1.0, 0.5, 0.0)):
             outs[name] = [None] * len(moms)
-            for b in sorted({b for *_, b in moms}):
-                idx = [k for k, mom in enumerate(moms) if mom[3] == b]
+            for b, alone in {(mom[3], mom[2] is None) for mom in moms}:  # as the library groups them
+                idx = [k for k, mom in enumerate(moms) if (mom[3], mom[2] is None) == (b, alone)]
                 for k, o in zip(idx, whole_save([moms[k][0] for k in idx], b, power)):
                     outs[name][k] = o
         for name, o in outs.items():
