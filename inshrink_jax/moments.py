@@ -36,10 +36,19 @@ polar factor of its momentum, so theirs are coded within a tenth of the budget (
 The ratio is quantized uniformly with its cells' means as levels (an entropy-coded uniform quantizer: at the same
 squared error it takes about 10% fewer bits than k-means levels, and 16-22% fewer at the same budget;
 benchmarks/results/moment_error.md): cells of
-width w centred on zero, as many as the ratio's range needs (at most `FIRST_CAPACITY`). w is chosen per tensor at
-every save, on the device, as the widest of `FIRST_STEPS` (times the ratio's RMS), refined 1.022x apart
-(`FIRST_REFINE`), whose squared update error, measured on the ratio's histogram (`RATIO_SKETCH`), is at most
-`CompressionConfig.effective_moment_budget` of the update's (the least error of them if none is): the same bound on every model, with no data needed. Codes are the
+width w centred on zero, as many as the ratio's range needs (at most `FIRST_CAPACITY`). The first moments of a
+save share one budget: their widths are a step s times G^(1 - p) times each ratio's RMS^p (at least s times its
+RMS / 8; `quantize.uniform_levels`' width reference), G the RMS of all their ratios, p
+`CompressionConfig.moment_width_power`, and s is chosen at every save, on the device, as the widest of
+`FIRST_STEPS`, refined 1.022x apart (`FIRST_REFINE`), whose squared update error summed over them, measured on
+the ratios' histograms (`RATIO_SKETCH`), is at most `CompressionConfig.effective_moment_budget` of their
+updates' (the least error of them if none is): the same bound on every model, with no data needed. As a
+residual's (`CompressionConfig.residual_width_power`), p = 1 splits that total in proportion to each moment's
+energy and p = 0 gives all one width, the split of the fewest bits at high resolution; 0.5, the default, took
+fewer bits than 1 on every workload measured, the most where the moments' scales differ most
+(benchmarks/results/moment_split.md). Moments of another budget factor (Lion's and Muon's `mu`), of other units
+(with no second moment beside them against with one) or on another device set share a budget of their own.
+Codes are the
 weights' (quantize.py): 0 an exact zero (a zero moment, or the first moment of a weight pruned at this save), 1..K
 the cells ascending, K + 1 a value stored exactly (non-finite, or where nu_hat is 0 or not finite).
 """
@@ -64,12 +73,12 @@ from inshrink_jax.quantize import PRUNED, DeviceCodes, protected_code, seed_key
 # times the learning rate on those weights.
 
 
-# Cell widths a first moment's uniform quantizer may take, relative to the ratio's RMS, finest first
-# (encode_first_on_device picks one per tensor and save), and the most cells (odd: one centred on zero). The
-# widest of FIRST_STEPS within the budget is refined by FIRST_REFINE widths between it and the next wider one
-# (1.186x apart, then 1.022x): a tensor left at the coarse grid's choice sat on average half a coarse step below
-# its budget, and its codes took 8-10% more bits than at the width that meets it
-# (benchmarks/results/moment_split.md); 39 widths evaluated instead of 128 on one fine grid.
+# Steps of a first moment's cells, relative to its width reference (its ratio's RMS at moment_width_power 1),
+# finest first (encode_first_on_device picks one per budget and save), and the most cells (odd: one centred on
+# zero). The widest of FIRST_STEPS within the budget is refined by FIRST_REFINE steps between it and the next
+# wider one (1.186x apart, then 1.022x): at the coarse grid's choice a tensor's error sat on average half a coarse
+# step below its budget, and its codes took 8-10% more bits than at the width that meets it
+# (benchmarks/results/moment_split.md); 39 steps evaluated instead of 128 on one fine grid.
 FIRST_STEPS = tuple(float(x) for x in np.geomspace(0.02, 4.0, 32))
 FIRST_REFINE = 7
 FIRST_CAPACITY = 63
@@ -294,12 +303,13 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
         restore gives back for it), or None (coded as it is).
       weight_codes: for each, the codes of its weight at this save (its zeros where the weight was pruned are
         zeros of the moment), or None.
-      cfg: its `effective_moment_budget`.
+      cfg: its `effective_moment_budget` and `moment_width_power`.
       prunes: for each, whether its weight's pruned codes prune it (None: all do). False for the codes of a
         closed-loop residual, whose pruned entries keep the weight's previous value: passed anyway, so a
         residual save runs the kernels a keyframe compiled.
       budgets: for each, the factor of `effective_moment_budget` it is coded within (None: 1 for all; Lion's
-        and Muon's `mu` take `policy.NORMALIZED_BUDGET`).
+        and Muon's `mu` take `policy.NORMALIZED_BUDGET`): the moments of one factor, of the same units (a scale
+        or None) and on one device set share that budget, its total error split by `moment_width_power`.
 
     Returns:
       One `DeviceCodes` per moment: `centres` the cells' levels in `FIRST_CAPACITY` slots (the first `bins`
