@@ -524,8 +524,8 @@ def configure(p: Plan, cfg: CompressionConfig, eval_fn, previous, offsets, resid
     if not p.weights:
         return cfg.quant, None, None, {"mode": "none (no compressed leaves)"}, previous, None
     if not cfg.search:  # a residual on uniform cells still takes the whole state's width reference
-        reference = quantize.residual_reference([p.leaves[i] for i in p.weights], offsets, factors,
-                                                cfg.residual_width_power) if residual and cfg.quant.step else None
+        reference = search.width_reference(p.leaves, p.weights, offsets, factors, cfg,
+                                           residual and bool(cfg.quant.step))
         return cfg.quant, None, None, {"mode": "fixed", "chosen": dataclasses.asdict(cfg.quant)}, previous, reference
     layer_types = [p.records[i].layer_type for i in p.weights]
     outcome, record = search.choose(p.leaves, p.treedef, p.weights, p.grads, layer_types, cfg, eval_fn,

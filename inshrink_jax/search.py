@@ -590,6 +590,21 @@ class Evaluator:
         return d if p <= self.cfg.effective_proxy_budget else math.inf
 
 
+def width_reference(leaves, quant_idx, offsets, factors, cfg: CompressionConfig, uniform: bool,
+                    samples: bool = False) -> np.ndarray | None:
+    """The width reference (`quantize.residual_reference`) of a closed-loop residual save whose cells are uniform
+    (`uniform`), else None: every candidate of its search and the encoding of its choice take this one number.
+    Where the search takes row samples (`samples`), the RMS of the samples, not one more pass over every value of a
+    large state (a sampled tensor counts by its sample, so small tensors weigh more than in the whole state's
+    RMS)."""
+    if not uniform:
+        return None
+    if samples:
+        return quantize.residual_reference([_row_sample(leaves[i]) for i in quant_idx],
+                                           [_row_sample(o) for o in offsets], factors, cfg.residual_width_power)
+    return quantize.residual_reference([leaves[i] for i in quant_idx], offsets, factors, cfg.residual_width_power)
+
+
 def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_types: Sequence[str],
            cfg: CompressionConfig, eval_fn, previous: QuantConfig | str | None,
            offsets: Sequence | None = None, residual: bool = False,
@@ -635,15 +650,7 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
     keyframe = cfg.closed_loop and not residual and all(o is None for o in offsets or ())  # not against a base
     samples = (residual or (eval_fn is None and previous is None)) and _takes_samples(leaves, quant_idx, factors)
-    # A closed-loop residual's uniform cells are as wide as the whole state's residual says (`uniform_levels`):
-    # where the search takes row samples, the RMS of the samples (not one more pass over every value of a large
-    # state; a sampled tensor counts by its sample, so small tensors weigh more than in the whole state's RMS),
-    # and every candidate and the choice's encoding take the same number.
-    reference = None
-    if residual and any(space.steps):
-        reference = quantize.residual_reference(
-            *(([_row_sample(leaves[i]) for i in quant_idx], [_row_sample(o) for o in offsets]) if samples else
-              ([leaves[i] for i in quant_idx], offsets)), factors, cfg.residual_width_power)
+    reference = width_reference(leaves, quant_idx, offsets, factors, cfg, residual and any(space.steps), samples)
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
                           offsets=offsets, residual=residual, factors=factors, keyframe_floor=keyframe,
                           reference=reference)
