@@ -51,4 +51,29 @@ for s in r1["opt"].trace.addressable_shards:
     np.testing.assert_array_equal(np.asarray(s.data), host1["opt"].trace[s.index])
 for s in r1["params"]["w"].addressable_shards:
     assert np.max(np.abs(np.asarray(s.data) - host1["params"]["w"][s.index])) < 0.5
+
+# Adam's moments quantized (the default policy), sharded over both processes: their first moments share one
+# budget, so each process's choice of cells takes sums over every process's shards, and both get the same codes
+nu = (rng.uniform(0.5, 2.0, size=(2, 64, 48)) * [[[1e-4]], [[1e-6]]]).astype(np.float32)
+mu = (rng.standard_normal(size=nu.shape) * np.sqrt(nu) * [[[0.3]], [[0.03]]]).astype(np.float32)
+adam_host = {"params": {"a": host["params"]["w"], "b": host1["params"]["w"]},
+             "opt": optax.ScaleByAdamState(count=np.int32(3), mu={"a": mu[0], "b": mu[1]},
+                                           nu={"a": nu[0], "b": nu[1]})}
+adam = jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, save_sharding, lambda i, x=x: x[i])
+                    if np.ndim(x) == 2 else x, adam_host)
+cfg = ij.CompressionConfig()
+moment_mngr = ocp.CheckpointManager(os.path.join(root, "moments"), item_handlers=ij.InshrinkCheckpointHandler(cfg))
+moment_mngr.save(0, args=ij.InshrinkSave(adam))
+moment_mngr.wait_until_finished()
+moment_target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=restore_sharding)
+                             if np.ndim(x) == 2 else x, adam_host)
+got = moment_mngr.restore(0, args=ij.InshrinkRestore(moment_target))
+err = energy = 0.0
+for k in ("a", "b"):
+    for m, n in zip(got["opt"].mu[k].addressable_shards, got["opt"].nu[k].addressable_shards):
+        u = adam_host["opt"].mu[k][m.index] / np.sqrt(np.asarray(n.data, np.float64))
+        err += float(((np.asarray(m.data, np.float64) / np.sqrt(np.asarray(n.data, np.float64)) - u) ** 2).sum())
+        energy += float((u ** 2).sum())
+assert err <= (np.sqrt(cfg.effective_moment_budget) + 0.05) ** 2 * energy, (err, energy)
+print(f"moments error {err / energy:.4f}", flush=True)
 print(f"OK process {process_id} blobs={written} shards_per_process={per_process}", flush=True)
