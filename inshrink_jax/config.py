@@ -284,7 +284,8 @@ class CompressionConfig:
       moment_width_power: how `moment_budget`'s total is split between a save's first moments: each one's cells
         are a step times G^(1 - p) times its ratio's RMS^p wide (at least the step times its RMS / 8), G the RMS
         of the ratios of all first moments under that budget, p this power, in [0, 1], the step the widest that
-        meets the budget; as `residual_width_power` splits a residual's. 1: each moment's error in proportion to
+        meets the budget; as `residual_width_power` splits a residual's. Lion's and Muon's `mu`, whose updates
+        are normalized per tensor, split theirs at 1 whatever this says. 1: each moment's error in proportion to
         its update's energy; 0: one width for all (the fewest bits for the same total at high resolution). 0.5
         (the default): on six workloads' first moments it took 4-8% fewer bits than power 1 at Adam's moments
         and 59% fewer at the ResNet's SGD momentum, whose tensors' scales differ most

@@ -47,7 +47,8 @@ residual's (`CompressionConfig.residual_width_power`), p = 1 splits that total i
 energy and p = 0 gives all one width, the split of the fewest bits at high resolution; 0.5, the default, took
 fewer bits than 1 on every workload measured, the most where the moments' scales differ most
 (benchmarks/results/moment_split.md). Moments of another budget factor (Lion's and Muon's `mu`), of other units
-(with no second moment beside them against with one) or on another device set share a budget of their own.
+(with no second moment beside them against with one) or on another device set share a budget of their own; Lion's
+and Muon's, whose updates are normalized per tensor, split theirs at power 1.
 Codes are the
 weights' (quantize.py): 0 an exact zero (a zero moment, or the first moment of a weight pruned at this save), 1..K
 the cells ascending, K + 1 a value stored exactly (non-finite, or where nu_hat is 0 or not finite).
@@ -334,8 +335,12 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
             groups.setdefault((u, budgets[i], scales[i] is None), []).append(i)
     out: list[DeviceCodes | None] = [None] * len(ms)
     for (_, b, _), members in groups.items():
-        step, reference = _steps([ratios[i][3] for i in members], b * cfg.effective_moment_budget,
-                                 cfg.moment_width_power)
+        # A moment coded within less than the full budget is one whose update is normalized per tensor (Lion's
+        # sign, Muon's polar factor: policy.MOMENT_BUDGETS): a small moment's update is as large as a large one's,
+        # so each keeps the share of its own energy (power 1). Power 0.5 there ended a Muon transformer +1.83%
+        # (noise floor 1.25%; +0.74% with each moment's own budget; benchmarks/results/fidelity_charlm-muon.md).
+        power = cfg.moment_width_power if b >= 1 else 1.0
+        step, reference = _steps([ratios[i][3] for i in members], b * cfg.effective_moment_budget, power)
         for i in members:
             r, zero, exact, hist = ratios[i]
             levels, cells, width = _levels(hist, step, reference, spec=RATIO_SKETCH)
