@@ -9,14 +9,15 @@ save, the first moments the default stores quantized (`save.plan` with `Compress
 `trace`, Lion's `mu` ...) are taken as the library codes them: the ratio r = mu / sqrt(nu) to the second moment it
 is coded relative to (the unquantized `nu` here, where a save uses the stored one; mu itself where there is none),
 each within its factor of the budget (`policy.LeafPolicy.budget`: a tenth for Lion's and Muon's `mu`) times
-`effective_moment_budget` (0.3). The quantizer is moments.py's: cells of width w centred on zero, as many as the
+`effective_moment_budget` (0.25 at the default epsilon). The quantizer is moments.py's: cells of width w centred on zero, as many as the
 ratio's range needs (at most `moments.FIRST_CAPACITY`), each decoded to its values' mean; the error is the squared
 error of the ratio, the update's. Columns, bits per first-moment value per save (order-0 entropy of the codes,
 what the stored streams cost within a few percent), averaged over the saves, and the error over the budget:
 
-- **each tensor, coarse grid**: each tensor's widest width of `moments.FIRST_STEPS` (times its ratio's RMS,
-  1.186x apart) whose error is at most the budget times its energy (the least error of them if none is): earlier
-  releases' choice.
+- **earlier releases: each tensor, coarse grid, within 0.3**: each tensor's widest width of `moments.FIRST_STEPS`
+  (times its ratio's RMS, 1.186x apart) whose error is at most 0.3 (`EARLIER_BUDGET`, the default before this
+  release; a tenth of it for Lion's and Muon's `mu`) times its energy (the least error of them if none is).
+- **each tensor, coarse grid**: the same choice within this release's budget (0.25).
 - **each tensor, refined**: the same, refined by `moments.FIRST_REFINE` widths between it and the next wider step
   (1.022x apart).
 - **whole save, power p**: one budget for all of a save's first moments of one budget factor and units (relative to a second moment or
@@ -52,8 +53,9 @@ from inshrink_jax import CompressionConfig, moments, save  # noqa: E402
 
 CFG = CompressionConfig()
 HALF = (moments.FIRST_CAPACITY - 1) // 2
-COLUMNS = ("each tensor, coarse grid", "each tensor, refined", "whole save, power 1", "whole save, power 1/2",
-           "whole save, power 0", "library")
+EARLIER_BUDGET = 0.3  # earlier releases' first-moment budget at the default epsilon (MOMENT_PER_EPSILON 30)
+COLUMNS = ("earlier releases: each tensor, coarse grid, within 0.3", "each tensor, coarse grid",
+           "each tensor, refined", "whole save, power 1", "whole save, power 1/2", "whole save, power 0", "library")
 
 
 def first_moments(state):
@@ -145,10 +147,12 @@ def measure(snaps) -> dict:
     for moms in snaps:
         allowed += sum(b * float((r ** 2).sum()) for r, _, _, b in moms)
         values += sum(r.size for r, _, _, _ in moms)
-        outs = {COLUMNS[0]: [per_tensor(r, b, False) for r, _, _, b in moms],
-                COLUMNS[1]: [per_tensor(r, b, True) for r, _, _, b in moms],
-                COLUMNS[5]: library(moms)}
-        for name, power in zip(COLUMNS[2:5], (1.0, 0.5, 0.0)):
+        earlier = EARLIER_BUDGET / CFG.effective_moment_budget
+        outs = {COLUMNS[0]: [per_tensor(r, b * earlier, False) for r, _, _, b in moms],
+                COLUMNS[1]: [per_tensor(r, b, False) for r, _, _, b in moms],
+                COLUMNS[2]: [per_tensor(r, b, True) for r, _, _, b in moms],
+                COLUMNS[6]: library(moms)}
+        for name, power in zip(COLUMNS[3:6], (1.0, 0.5, 0.0)):
             outs[name] = [None] * len(moms)
             for b, alone in {(mom[3], mom[2] is None) for mom in moms}:  # as the library groups them
                 idx = [k for k, mom in enumerate(moms) if (mom[3], mom[2] is None) == (b, alone)]
@@ -184,9 +188,9 @@ def main(argv=None):
         "# A first moment's bits: per-tensor widths on a coarse and a refined grid, and one budget per save", "",
         "Command: `python benchmarks/moment_split.py " + " ".join(argv if argv is not None else sys.argv[1:])
         + "`", "", __doc__.split("\n\n", 2)[2].strip(), "", "Workloads:", "", *about, "",
-        "Bits per first-moment value per save (against the coarse grid's), and the error over what the budget "
-        "allows (the update's squared error summed over the saves' first moments over the budget times their "
-        "energy):", "",
+        "Bits per first-moment value per save (against the earlier releases'), and the error over what this "
+        "release's budget allows (the update's squared error summed over the saves' first moments over the budget "
+        "times their energy):", "",
         "| " + " | ".join(["workload", *COLUMNS]) + " |", "|---|" + "---:|" * len(COLUMNS),
         *("| " + " | ".join(r) + " |" for r in rows)], args.out)
 
