@@ -26,7 +26,7 @@ what the stored streams cost within a few percent), averaged over the saves, and
   RMS of all their ratios), `s` solved to meet it (bisection): power 1 shares the error in proportion to each
   tensor's energy, power 0 gives all one width (equal slopes: the fewest bits for the same total at high
   resolution). Power 1/2 is this release's split (`CompressionConfig.moment_width_power`); Lion's and Muon's `mu`,
-  whose updates are normalized per tensor, are split at power 1 in every column, as the library splits them.
+  whose updates are normalized per tensor, are each coded alone (refined) in these columns, as the library does.
 - **library**: `moments.encode_first_on_device` on all of the save's first moments in one call, with their budget
   factors (its step on `FIRST_STEPS` refined, its errors measured on the ratios' histograms, buckets 5% wide): this
   release's encoder itself, to check the model of "whole save, power 1/2".
@@ -156,9 +156,11 @@ def measure(snaps) -> dict:
             outs[name] = [None] * len(moms)
             for b, alone in {(mom[3], mom[2] is None) for mom in moms}:  # as the library groups them
                 idx = [k for k, mom in enumerate(moms) if (mom[3], mom[2] is None) == (b, alone)]
-                # (a moment of less than the full budget, Lion's or Muon's, splits at power 1 in the library)
-                split = power if b >= CFG.effective_moment_budget else 1.0
-                for k, o in zip(idx, whole_save([moms[k][0] for k in idx], b, split)):
+                if b < CFG.effective_moment_budget:  # Lion's or Muon's: each alone in the library
+                    for k in idx:
+                        outs[name][k] = per_tensor(moms[k][0], b, True)
+                    continue
+                for k, o in zip(idx, whole_save([moms[k][0] for k in idx], b, power)):
                     outs[name][k] = o
         for name, o in outs.items():
             bits[name] += sum(entropy_bits(q) for q, _ in o)

@@ -276,7 +276,7 @@ class CompressionConfig:
         fraction of the update's: sum ||u' - u||^2 <= b sum ||u||^2 over the save's first moments, u = mu /
         sqrt(nu) as a restore gives it (in [0, 1]; 0: the cells of least error), the total split between them
         as `moment_width_power` says; Lion's and Muon's `mu`, whose updates are normalized (a sign, an
-        orthogonalized matrix), within a tenth of it (`policy.NORMALIZED_BUDGET`), on their own. Moments with no
+        orthogonalized matrix), each within a tenth of it (`policy.NORMALIZED_BUDGET`) on its own. Moments with no
         second moment beside them (SGD's `trace`) share a budget of their own (their ratio is in other units).
         Smaller: finer cells, more bytes. The error fades within
         ~1 / (1 - b1) steps of a restore. None (the default): `MOMENT_PER_EPSILON` (25) times `epsilon`, at
@@ -287,7 +287,7 @@ class CompressionConfig:
         are a step times G^(1 - p) times its ratio's RMS^p wide (at least the step times its RMS / 8), G the RMS
         of the ratios of all first moments under that budget, p this power, in [0, 1], the step the widest that
         meets the budget; as `residual_width_power` splits a residual's. Lion's and Muon's `mu`, whose updates
-        are normalized per tensor, split theirs at 1 whatever this says. 1: each moment's error in proportion to
+        are normalized per tensor, are each coded within its own budget, not split. 1: each moment's error in proportion to
         its update's energy; 0: one width for all (the fewest bits for the same total at high resolution). 0.5
         (the default): on six workloads' first moments it took 4-8% fewer bits than power 1 at Adam's moments
         and 59% fewer at the ResNet's SGD momentum, whose tensors' scales differ most

@@ -48,7 +48,7 @@ energy and p = 0 gives all one width, the split of the fewest bits at high resol
 fewer bits than 1 on every workload measured, the most where the moments' scales differ most
 (benchmarks/results/moment_split.md). Moments of another budget factor (Lion's and Muon's `mu`), of other units
 (with no second moment beside them against with one) or on another device set share a budget of their own; Lion's
-and Muon's, whose updates are normalized per tensor, split theirs at power 1.
+and Muon's, whose updates are normalized per tensor, are each coded within its own.
 Codes are the
 weights' (quantize.py): 0 an exact zero (a zero moment, or the first moment of a weight pruned at this save), 1..K
 the cells ascending, K + 1 a value stored exactly (non-finite, or where nu_hat is 0 or not finite).
@@ -327,20 +327,20 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
         raise ValueError("moments.encode_first_on_device needs one prunes flag and one budget factor per moment")
     ratios = [_ratio(m, s, wc, np.bool_(pr), spec=RATIO_SKETCH)
               for m, s, wc, pr in zip(ms, scales, weight_codes, prunes)]
-    # one budget for the moments of one budget factor, of the same units (relative to a second moment or not)
-    # and on one device set
+    # One budget for the moments of one budget factor, of the same units (relative to a second moment or not)
+    # and on one device set. A moment coded within less than the full budget is one whose update is normalized
+    # per tensor (Lion's sign, Muon's polar factor: policy.MOMENT_BUDGETS): a small moment's update is as large as
+    # a large one's, so each is coded within its own budget, alone. (Sharing one at power 0.5, then at power 1,
+    # ended a Muon transformer +1.83% and +2.52% against a noise floor of 1.25%, where each moment within its own
+    # had ended +0.74%.)
     groups: dict = {}
     for u, unit in enumerate(quantize.device_units(list(ms))):
         for i in unit:
-            groups.setdefault((u, budgets[i], scales[i] is None), []).append(i)
+            groups.setdefault((u, budgets[i], scales[i] is None, i if budgets[i] < 1 else None), []).append(i)
     out: list[DeviceCodes | None] = [None] * len(ms)
-    for (_, b, _), members in groups.items():
-        # A moment coded within less than the full budget is one whose update is normalized per tensor (Lion's
-        # sign, Muon's polar factor: policy.MOMENT_BUDGETS): a small moment's update is as large as a large one's,
-        # so each keeps the share of its own energy (power 1). Power 0.5 there ended a Muon transformer +1.83%
-        # (noise floor 1.25%; +0.74% with each moment's own budget; benchmarks/results/fidelity_charlm-muon.md).
-        power = cfg.moment_width_power if b >= 1 else 1.0
-        step, reference = _steps([ratios[i][3] for i in members], b * cfg.effective_moment_budget, power)
+    for (_, b, _, _), members in groups.items():
+        step, reference = _steps([ratios[i][3] for i in members], b * cfg.effective_moment_budget,
+                                 cfg.moment_width_power)
         for i in members:
             r, zero, exact, hist = ratios[i]
             levels, cells, width = _levels(hist, step, reference, spec=RATIO_SKETCH)
