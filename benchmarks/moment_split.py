@@ -1,35 +1,33 @@
-"""How many bits a first moment's cells take at the default's budget: the per-tensor width on a coarse grid, on
-a refined one, and a budget over the whole save split between tensors as a closed-loop residual's is.
+"""How many bits a first moment's cells take: the library's per-tensor width on a coarse grid, a refined grid,
+and one budget per save split between tensors as a closed-loop residual's is (not built: measured here and in
+fidelity runs, docs/results.md).
 
 Usage: python benchmarks/moment_split.py [--workloads NAME ...] [--saves N] [--out FILE]
 (needs the `bench` extra: pip install -e '.[bench]')
 
 Each workload of bench_fidelity.py trains (seed 0, no checkpoints) for `--saves` of its save intervals. At each
 save, the first moments the default stores quantized (`save.plan` with `CompressionConfig()`: Adam's `mu`, SGD's
-`trace`, Lion's `mu` ...) are taken as the library codes them: the ratio r = mu / sqrt(nu) to the second moment it
-is coded relative to (the unquantized `nu` here, where a save uses the stored one; mu itself where there is none),
-each within its factor of the budget (`policy.LeafPolicy.budget`: a tenth for Lion's and Muon's `mu`) times
-`effective_moment_budget` (0.25 at the default epsilon). The quantizer is moments.py's: cells of width w centred on zero, as many as the
-ratio's range needs (at most `moments.FIRST_CAPACITY`), each decoded to its values' mean; the error is the squared
-error of the ratio, the update's. Columns, bits per first-moment value per save (order-0 entropy of the codes,
-what the stored streams cost within a few percent), averaged over the saves, and the error over the budget:
+`trace` ...) are taken as the library codes them: the ratio r = mu / sqrt(nu) to the second moment it is coded
+relative to (the unquantized `nu` here, where a save uses the stored one; mu itself where there is none), within
+its factor of the budget (`policy.LeafPolicy.budget`) times `effective_moment_budget` (0.3 at the default
+epsilon). The quantizer is moments.py's: cells of width w centred on zero, as many as the ratio's range needs (at
+most `moments.FIRST_CAPACITY`), each decoded to its values' mean; the error is the squared error of the ratio,
+the update's. Columns, bits per first-moment value per save (order-0 entropy of the codes, what the stored
+streams cost within a few percent), averaged over the saves, and the error over the budget:
 
-- **earlier releases: each tensor, coarse grid, within 0.3**: each tensor's widest width of `moments.FIRST_STEPS`
-  (times its ratio's RMS, 1.186x apart) whose error is at most 0.3 (`EARLIER_BUDGET`, the default before this
-  release; a tenth of it for Lion's and Muon's `mu`) times its energy (the least error of them if none is).
-- **each tensor, coarse grid**: the same choice within this release's budget (0.25).
-- **each tensor, refined**: the same, refined by `moments.FIRST_REFINE` widths between it and the next wider step
-  (1.022x apart).
-- **whole save, power p**: one budget for all of a save's first moments of one budget factor and units (relative to a second moment or
-  not), the total error at
-  most the budget times their total energy, each tensor's width `s` G^(1-p) RMS_i^p (at least `s` RMS_i / 8; G the
-  RMS of all their ratios), `s` solved to meet it (bisection): power 1 shares the error in proportion to each
-  tensor's energy, power 0 gives all one width (equal slopes: the fewest bits for the same total at high
-  resolution). Power 1/2 is this release's split (`CompressionConfig.moment_width_power`); Lion's and Muon's `mu`,
-  whose updates are normalized per tensor, are each coded alone (refined) in these columns, as the library does.
-- **library**: `moments.encode_first_on_device` on all of the save's first moments in one call, with their budget
-  factors (its step on `FIRST_STEPS` refined, its errors measured on the ratios' histograms, buckets 5% wide): this
-  release's encoder itself, to check the model of "whole save, power 1/2".
+- **each tensor, coarse grid**: each tensor's widest width of `moments.FIRST_STEPS` (times its ratio's RMS,
+  1.186x apart) whose error is at most the budget times its energy (the least error of them if none is): the
+  library's choice.
+- **each tensor, refined**: the same, refined by `REFINE` widths between it and the next wider step (1.022x apart).
+- **whole save, power p**: one budget for all of a save's first moments of one budget factor and units (relative
+  to a second moment or not), the total error at most the budget times their total energy, each tensor's width `s`
+  G^(1-p) RMS_i^p (at least `s` RMS_i / 8; G the RMS of all their ratios), `s` solved to meet it (bisection): power
+  1 shares the error in proportion to each tensor's energy, power 0 gives all one width (equal slopes: the fewest
+  bits for the same total at high resolution), as `CompressionConfig.residual_width_power` splits a residual's.
+- **..., at the coarse grid's error**: the same, its total error the coarse grid's (which sits below the budget
+  by up to a step): what the split gains at equal error.
+- **library**: `moments.encode_first_on_device`'s codes (its width measured on the ratio's histogram, buckets 5%
+  wide), to check the model of the first column.
 """
 
 from __future__ import annotations
@@ -53,9 +51,10 @@ from inshrink_jax import CompressionConfig, moments, save  # noqa: E402
 
 CFG = CompressionConfig()
 HALF = (moments.FIRST_CAPACITY - 1) // 2
-EARLIER_BUDGET = 0.3  # earlier releases' first-moment budget at the default epsilon (MOMENT_PER_EPSILON 30)
-COLUMNS = ("earlier releases: each tensor, coarse grid, within 0.3", "each tensor, coarse grid",
-           "each tensor, refined", "whole save, power 1", "whole save, power 1/2", "whole save, power 0", "library")
+REFINE = 7  # steps between two of FIRST_STEPS in "each tensor, refined"
+COLUMNS = ("each tensor, coarse grid", "each tensor, refined", "whole save, power 1", "whole save, power 1/2",
+           "whole save, power 0", "whole save, power 1, at the coarse grid's error",
+           "whole save, power 1/2, at the coarse grid's error", "library")
 
 
 def first_moments(state):
@@ -97,15 +96,15 @@ def per_tensor(r, budget, refine: bool):
     k = within[-1]
     best = tries[k]
     if refine and k + 1 < len(steps):
-        for f in range(1, moments.FIRST_REFINE + 1):
-            t = coded(r, steps[k] * (steps[k + 1] / steps[k]) ** (f / (moments.FIRST_REFINE + 1)) * rms)
+        for f in range(1, REFINE + 1):
+            t = coded(r, steps[k] * (steps[k + 1] / steps[k]) ** (f / (REFINE + 1)) * rms)
             if t[1] <= budget * energy:
                 best = t
     return best
 
 
 def library(moms) -> list:
-    """[(codes, error)] of moments.encode_first_on_device on all of `moms` in one call, as a save codes them."""
+    """[(codes, error)] of moments.encode_first_on_device on `moms`, as a save codes them."""
     devs = moments.encode_first_on_device(
         [jnp.asarray(m) for _, m, _, _ in moms], [None if s is None else jnp.asarray(s) for _, _, s, _ in moms],
         [None] * len(moms), CFG, budgets=[b / CFG.effective_moment_budget for *_, b in moms])
@@ -147,20 +146,18 @@ def measure(snaps) -> dict:
     for moms in snaps:
         allowed += sum(b * float((r ** 2).sum()) for r, _, _, b in moms)
         values += sum(r.size for r, _, _, _ in moms)
-        earlier = EARLIER_BUDGET / CFG.effective_moment_budget
-        outs = {COLUMNS[0]: [per_tensor(r, b * earlier, False) for r, _, _, b in moms],
-                COLUMNS[1]: [per_tensor(r, b, False) for r, _, _, b in moms],
-                COLUMNS[2]: [per_tensor(r, b, True) for r, _, _, b in moms],
-                COLUMNS[6]: library(moms)}
-        for name, power in zip(COLUMNS[3:6], (1.0, 0.5, 0.0)):
+        outs = {COLUMNS[0]: [per_tensor(r, b, False) for r, _, _, b in moms],
+                COLUMNS[1]: [per_tensor(r, b, True) for r, _, _, b in moms],
+                COLUMNS[7]: library(moms)}
+        for name in COLUMNS[2:7]:
             outs[name] = [None] * len(moms)
-            for b, alone in {(mom[3], mom[2] is None) for mom in moms}:  # as the library groups them
-                idx = [k for k, mom in enumerate(moms) if (mom[3], mom[2] is None) == (b, alone)]
-                if b < CFG.effective_moment_budget:  # Lion's or Muon's: each alone in the library
-                    for k in idx:
-                        outs[name][k] = per_tensor(moms[k][0], b, True)
-                    continue
-                for k, o in zip(idx, whole_save([moms[k][0] for k in idx], b, power)):
+        for b, alone in {(mom[3], mom[2] is None) for mom in moms}:  # one budget factor and units
+            idx = [k for k, mom in enumerate(moms) if (mom[3], mom[2] is None) == (b, alone)]
+            rs = [moms[k][0] for k in idx]
+            energy = sum(float((r ** 2).sum()) for r in rs)
+            coarse = sum(outs[COLUMNS[0]][k][1] for k in idx) / max(energy, 1e-300)
+            for name, power, budget in zip(COLUMNS[2:7], (1.0, 0.5, 0.0, 1.0, 0.5), (b, b, b, coarse, coarse)):
+                for k, o in zip(idx, whole_save(rs, budget, power)):
                     outs[name][k] = o
         for name, o in outs.items():
             bits[name] += sum(entropy_bits(q) for q, _ in o)
@@ -170,7 +167,7 @@ def measure(snaps) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workloads", nargs="+", default=["charlm", "vit", "mixer", "lstm", "resnet", "charlm-lion"])
+    ap.add_argument("--workloads", nargs="+", default=["charlm", "vit", "mixer", "resnet"])
     ap.add_argument("--saves", type=int, default=6, help="save intervals trained per workload, each one measured")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -187,12 +184,12 @@ def main(argv=None):
         print(name, {k: (round(b, 3), round(e, 3)) for k, (b, e) in got.items()},
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     report.emit([
-        "# A first moment's bits: per-tensor widths on a coarse and a refined grid, and one budget per save", "",
+        "# A first moment's bits: per-tensor widths on a coarse and a refined grid, and one budget a save", "",
         "Command: `python benchmarks/moment_split.py " + " ".join(argv if argv is not None else sys.argv[1:])
         + "`", "", __doc__.split("\n\n", 2)[2].strip(), "", "Workloads:", "", *about, "",
-        "Bits per first-moment value per save (against the earlier releases'), and the error over what this "
-        "release's budget allows (the update's squared error summed over the saves' first moments over the budget "
-        "times their energy):", "",
+        "Bits per first-moment value per save (against the coarse grid's), and the error over what the budget "
+        "allows (the update's squared error summed over the saves' first moments over the budget times their "
+        "energy):", "",
         "| " + " | ".join(["workload", *COLUMNS]) + " |", "|---|" + "---:|" * len(COLUMNS),
         *("| " + " | ".join(r) + " |" for r in rows)], args.out)
 

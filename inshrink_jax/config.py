@@ -160,13 +160,11 @@ ENTROPY_RESIDUAL_SPACE = SearchSpace(bins=(14,), embedding_bins=(14,), prune_fra
 
 # The data-free budgets per unit of epsilon, when a CompressionConfig leaves them at None (epsilon is the one
 # knob). At the default epsilon 0.01: residual saves within 0.2 of the residual's squared error and first moments
-# within 0.25 of the update's. Earlier releases coded first moments within 0.3, each on its own with the widest of
-# 32 widths 1.186x apart that met it, so their error sat at 0.83-0.87 of the budget on average
-# (benchmarks/results/moment_split.md); that is what the fidelity workloads held with after 10 restores
-# (docs/results.md: within 0.3 wrote 16-21% fewer bytes than within 0.1; within 0.5 the LSTM fine-tune ended at the
-# edge of its noise floor). The step is now refined to meet the budget within 1.022x, so 0.25 keeps that error.
+# within 0.3 of the update's, the values the five fidelity workloads held with after 10 restores (docs/results.md:
+# first moments within 0.3 wrote 16-21% fewer bytes than within 0.1; within 0.5 the LSTM fine-tune ended at the
+# edge of its noise floor).
 RESIDUAL_PER_EPSILON = 20.0
-MOMENT_PER_EPSILON = 25.0
+MOMENT_PER_EPSILON = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,27 +269,16 @@ class CompressionConfig:
         level's share of the log range, and so a step size's error, goes as 1 / bins, its square as epsilon).
         16: a second moment scales every update for hundreds of steps; at 8 or 4 levels 1% of a trained
         transformer's step sizes move by 2.3x or 5.1x (benchmarks/results/moment_error.md).
-      moment_budget: the quantized first moments (`mu`, `trace`) of a save take uniform cells of their ratio to
-        the square root of their second moments, the widest whose squared error summed over them is at most this
-        fraction of the update's: sum ||u' - u||^2 <= b sum ||u||^2 over the save's first moments, u = mu /
-        sqrt(nu) as a restore gives it (in [0, 1]; 0: the cells of least error), the total split between them
-        as `moment_width_power` says; Lion's and Muon's `mu`, whose updates are normalized (a sign, an
-        orthogonalized matrix), each within a tenth of it (`policy.NORMALIZED_BUDGET`) on its own. Moments with no
-        second moment beside them (SGD's `trace`) share a budget of their own (their ratio is in other units).
+      moment_budget: a quantized first moment (`mu`, `trace`) takes, per tensor at every save, the widest
+        cells of a uniform quantizer of its ratio to the square root of its second moment whose squared error is
+        at most this fraction of the update's: ||u' - u||^2 <= b ||u||^2 for u = mu / sqrt(nu) as a restore
+        gives it (in [0, 1]; 0: the cells of least error); Lion's and Muon's `mu`, whose updates are
+        normalized (a sign, an orthogonalized matrix), within a tenth of it (`policy.NORMALIZED_BUDGET`).
         Smaller: finer cells, more bytes. The error fades within
-        ~1 / (1 - b1) steps of a restore. None (the default): `MOMENT_PER_EPSILON` (25) times `epsilon`, at
-        most 1: 0.25 at the default epsilon, an update off by about 50% in norm for a few steps after a restore
+        ~1 / (1 - b1) steps of a restore. None (the default): `MOMENT_PER_EPSILON` (30) times `epsilon`, at
+        most 1: 0.3 at the default epsilon, an update off by about 55% in norm for a few steps after a restore
         (docs/how-it-works.md, "How many levels", has the measurements; docs/results.md what 0.1, 0.3 and 0.5 did
-        to the fidelity workloads, when each moment's error sat at 0.83-0.87 of its budget).
-      moment_width_power: how `moment_budget`'s total is split between a save's first moments: each one's cells
-        are a step times G^(1 - p) times its ratio's RMS^p wide (at least the step times its RMS / 8), G the RMS
-        of the ratios of all first moments under that budget, p this power, in [0, 1], the step the widest that
-        meets the budget; as `residual_width_power` splits a residual's. Lion's and Muon's `mu`, whose updates
-        are normalized per tensor, are each coded within its own budget, not split. 1: each moment's error in proportion to
-        its update's energy; 0: one width for all (the fewest bits for the same total at high resolution). 0.5
-        (the default): on six workloads' first moments it took 4-8% fewer bits than power 1 at Adam's moments
-        and 59% fewer at the ResNet's SGD momentum, whose tensors' scales differ most
-        (benchmarks/results/moment_split.md).
+        to the fidelity workloads).
       policy_rules: (regex, policy) pairs tried in order on each array leaf's key path (`jax.tree_util.keystr`)
         before the default rule (parameters: "quantize", i.e. the method; optimizer moments: `optimizer`;
         everything else: "lossless"); e.g. ((r"\.nu\b", "quantize"), (r"\.mu\b", "drop")) or
@@ -325,7 +312,6 @@ class CompressionConfig:
     optimizer: str = "quantize"
     moment_bins: int | None = None
     moment_budget: float | None = None
-    moment_width_power: float = 0.5
     policy_rules: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -370,8 +356,7 @@ class CompressionConfig:
         for name, lo, hi, closed in (("epsilon", 0.0, math.inf, True), ("alpha", 0.0, 1.0, False),
                                      ("sigma", 0.0, 1.0, True), ("kmeans_tol", 0.0, math.inf, True),
                                      ("metric_switch_margin", 0.0, math.inf, True),
-                                     ("residual_width_power", 0.0, 1.0, True),
-                                     ("moment_width_power", 0.0, 1.0, True)):
+                                     ("residual_width_power", 0.0, 1.0, True)):
             _real(name, getattr(self, name), lo, hi, closed)
         if self.moment_bins is not None:
             _integer("moment_bins", self.moment_bins, 2, 127)

@@ -36,20 +36,10 @@ polar factor of its momentum, so theirs are coded within a tenth of the budget (
 The ratio is quantized uniformly with its cells' means as levels (an entropy-coded uniform quantizer: at the same
 squared error it takes about 10% fewer bits than k-means levels, and 16-22% fewer at the same budget;
 benchmarks/results/moment_error.md): cells of
-width w centred on zero, as many as the ratio's range needs (at most `FIRST_CAPACITY`). The first moments of a
-save share one budget: their widths are a step s times G^(1 - p) times each ratio's RMS^p (at least s times its
-RMS / 8; `quantize.uniform_levels`' width reference), G the RMS of all their ratios, p
-`CompressionConfig.moment_width_power`, and s is chosen at every save, on the device, as the widest of
-`FIRST_STEPS`, refined 1.022x apart (`FIRST_REFINE`), whose squared update error summed over them, measured on
-the ratios' histograms (`RATIO_SKETCH`), is at most `CompressionConfig.effective_moment_budget` of their
-updates' (the least error of them if none is): the same bound on every model, with no data needed. As a
-residual's (`CompressionConfig.residual_width_power`), p = 1 splits that total in proportion to each moment's
-energy and p = 0 gives all one width, the split of the fewest bits at high resolution; 0.5, the default, took
-fewer bits than 1 on every workload measured, the most where the moments' scales differ most
-(benchmarks/results/moment_split.md). Moments of another budget factor (Lion's and Muon's `mu`), of other units
-(with no second moment beside them against with one) or on another device set share a budget of their own; Lion's
-and Muon's, whose updates are normalized per tensor, are each coded within its own.
-Codes are the
+width w centred on zero, as many as the ratio's range needs (at most `FIRST_CAPACITY`). w is chosen per tensor at
+every save, on the device, as the widest of `FIRST_STEPS` (times the ratio's RMS) whose squared update error,
+measured on the ratio's histogram (`RATIO_SKETCH`), is at most `CompressionConfig.effective_moment_budget` of the
+update's (the least error of them if none is): the same bound on every model, with no data needed. Codes are the
 weights' (quantize.py): 0 an exact zero (a zero moment, or the first moment of a weight pruned at this save), 1..K
 the cells ascending, K + 1 a value stored exactly (non-finite, or where nu_hat is 0 or not finite).
 """
@@ -74,14 +64,9 @@ from inshrink_jax.quantize import PRUNED, DeviceCodes, protected_code, seed_key
 # times the learning rate on those weights.
 
 
-# Steps of a first moment's cells, relative to its width reference (its ratio's RMS at moment_width_power 1),
-# finest first (encode_first_on_device picks one per budget and save), and the most cells (odd: one centred on
-# zero). The widest of FIRST_STEPS within the budget is refined by FIRST_REFINE steps between it and the next
-# wider one (1.186x apart, then 1.022x): at the coarse grid's choice a tensor's error sat on average half a coarse
-# step below its budget, and its codes took 8-10% more bits than at the width that meets it
-# (benchmarks/results/moment_split.md); 39 steps evaluated instead of 128 on one fine grid.
+# Cell widths a first moment's uniform quantizer may take, relative to the ratio's RMS, finest first
+# (encode_first_on_device picks one per tensor and save), and the most cells (odd: one centred on zero).
 FIRST_STEPS = tuple(float(x) for x in np.geomspace(0.02, 4.0, 32))
-FIRST_REFINE = 7
 FIRST_CAPACITY = 63
 # The ratio's histogram: buckets 5% wide (relative), not CompressionConfig.alpha's 1%: the error of every width
 # is measured over every bucket, and a value's distance to its bucket, at most 5% of it, moves the measured
@@ -199,88 +184,29 @@ def _ratio(m, s, wc, prunes, *, spec):
     return jnp.where(keep, r, 0.0), zero, exact, sketch.histogram(r, spec, keep)
 
 
-def _cells_at(hist, step, reference, *, spec):
-    """(levels in `FIRST_CAPACITY` slots, cell count, cell width, squared error on the histogram) of the cells
-    `step` times the ratio's width reference wide (`quantize.uniform_levels`: [scale, power], so step times
-    max(scale RMS^power, RMS / 8); [1, 1]: step times its own RMS), as many as the ratio's range needs."""
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _widths(hist, budget, *, spec):
+    """(levels in `FIRST_CAPACITY` slots, cell count, cell width) of the widest of `FIRST_STEPS` whose squared
+    error on the histogram is at most `budget` of the sum of squares (the least error of them if none is)."""
     reps = jnp.asarray(spec.representatives())
     h = hist.astype(jnp.float32)
     busy = h > 0
-    rms = jnp.sqrt(jnp.sum(jnp.where(busy, h * reps * reps, 0.0)) / jnp.maximum(jnp.sum(h), 1.0))
+    total = jnp.sum(jnp.where(busy, h * reps * reps, 0.0))
+    rms = jnp.sqrt(total / jnp.maximum(jnp.sum(h), 1.0))
     top = jnp.max(jnp.where(busy, jnp.abs(reps), 0.0))
-    scale, power = reference[0], reference[1]
-    width = step * jnp.where(power == 1, rms, jnp.maximum(scale * rms ** power, rms / 8))
-    width = jnp.where(rms > 0, width, 1.0)  # quantize.uniform_levels' width
-    cells = 2 * jnp.clip(jnp.ceil(top / width - 0.5), 0, (FIRST_CAPACITY - 1) // 2).astype(jnp.int32) + 1
-    levels, width = quantize.uniform_levels(h, spec, cells, step, FIRST_CAPACITY, centred=False, reference=reference)
-    levels = jnp.where(jnp.arange(FIRST_CAPACITY) < cells, levels, 0.0)
-    err = jnp.sum(jnp.where(busy, h * (reps - levels[quantize.uniform_cell(reps, width, cells)]) ** 2, 0.0))
-    return levels, cells, width, err
 
+    def one(step):
+        width = jnp.where(rms > 0, step * rms, 1.0)  # quantize.uniform_levels' width
+        cells = 2 * jnp.clip(jnp.ceil(top / width - 0.5), 0, (FIRST_CAPACITY - 1) // 2).astype(jnp.int32) + 1
+        levels, width = quantize.uniform_levels(h, spec, cells, step, FIRST_CAPACITY, centred=False)
+        levels = jnp.where(jnp.arange(FIRST_CAPACITY) < cells, levels, 0.0)
+        err = jnp.sum(jnp.where(busy, h * (reps - levels[quantize.uniform_cell(reps, width, cells)]) ** 2, 0.0))
+        return levels, cells, width, err
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _energy(hist, *, spec):
-    """(sum of squares, count) of the ratio's values on its histogram."""
-    reps = jnp.asarray(spec.representatives())
-    h = hist.astype(jnp.float32)
-    return jnp.sum(jnp.where(h > 0, h * reps * reps, 0.0)), jnp.sum(h)
-
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _errors(hist, steps, reference, *, spec):
-    """The squared error on the histogram of the cells of each of `steps` (`_cells_at`)."""
-    return jax.vmap(lambda step: _cells_at(hist, step, reference, spec=spec)[3])(steps)
-
-
-@functools.partial(jax.jit, static_argnames=("spec",))
-def _levels(hist, step, reference, *, spec):
-    """(levels, cell count, cell width) of the cells of `step` (`_cells_at`)."""
-    return _cells_at(hist, step, reference, spec=spec)[:3]
-
-
-@jax.jit
-def _reference(energies, counts, power):
-    """[G^(1 - power), power] of moments whose ratios' sums of squares and counts are given, G the RMS of all
-    their values ([1, 1] where G is 0)."""
-    g = jnp.sqrt(jnp.sum(energies) / jnp.maximum(jnp.sum(counts), 1.0))
-    return jnp.stack([jnp.where(g > 0, g ** (1 - power), 1.0), jnp.where(g > 0, power, 1.0)])
-
-
-@jax.jit
-def _coarse(errs, allowed):
-    """(index of the widest of `FIRST_STEPS` whose summed error is within `allowed`, or of the least error where
-    none is; whether one is; the steps between it and the next wider one that refine it)."""
-    steps = jnp.asarray(FIRST_STEPS, jnp.float32)
-    within = errs <= allowed
-    found = jnp.any(within)
-    k = jnp.where(found, len(FIRST_STEPS) - 1 - jnp.argmax(within[::-1]), jnp.argmin(errs))
-    wider = steps[jnp.minimum(k + 1, len(FIRST_STEPS) - 1)]
-    fractions = jnp.arange(1, FIRST_REFINE + 1, dtype=jnp.float32) / (FIRST_REFINE + 1)
-    return steps[k], found, steps[k] * (wider / steps[k]) ** fractions
-
-
-@jax.jit
-def _fine(step, found, fine_steps, fine_errs, allowed):
-    """The widest of `fine_steps` whose summed error is within `allowed` where the coarse step was, else it."""
-    within = (fine_errs <= allowed) & found
-    return jnp.where(jnp.any(within), fine_steps[FIRST_REFINE - 1 - jnp.argmax(within[::-1])], step)
-
-
-def _steps(hists: list, budget: float, power: float) -> tuple[jax.Array, jax.Array]:
-    """(step, width reference) of first moments coded within one budget (`encode_first_on_device`): the widest
-    step whose squared error summed over all of them is at most `budget` of their summed squares (the least
-    error of `FIRST_STEPS` if none is), on `FIRST_STEPS` refined by `FIRST_REFINE`; each moment's cells `step`
-    times G^(1 - power) times its ratio's RMS^power (at least step times its RMS / 8), G the RMS of all their
-    ratios. Device values, not waited for (the arrays are of one device set)."""
-    spec = RATIO_SKETCH
-    sums = [_energy(h, spec=spec) for h in hists]
-    energies, counts = jnp.stack([e for e, _ in sums]), jnp.stack([c for _, c in sums])
-    reference = _reference(energies, counts, np.float32(power))
-    allowed = np.float32(budget) * jnp.sum(energies)
-    steps = jnp.asarray(FIRST_STEPS, jnp.float32)
-    step, found, fine_steps = _coarse(sum(_errors(h, steps, reference, spec=spec) for h in hists), allowed)
-    fine_errs = sum(_errors(h, fine_steps, reference, spec=spec) for h in hists)
-    return _fine(step, found, fine_steps, fine_errs, allowed), reference
+    levels, cells, widths, errs = jax.vmap(one)(jnp.asarray(FIRST_STEPS, jnp.float32))
+    within = errs <= budget * total
+    choice = jnp.where(jnp.any(within), len(FIRST_STEPS) - 1 - jnp.argmax(within[::-1]), jnp.argmin(errs))
+    return levels[choice], cells[choice], widths[choice]
 
 
 @jax.jit
@@ -304,13 +230,12 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
         restore gives back for it), or None (coded as it is).
       weight_codes: for each, the codes of its weight at this save (its zeros where the weight was pruned are
         zeros of the moment), or None.
-      cfg: its `effective_moment_budget` and `moment_width_power`.
+      cfg: its `effective_moment_budget`.
       prunes: for each, whether its weight's pruned codes prune it (None: all do). False for the codes of a
         closed-loop residual, whose pruned entries keep the weight's previous value: passed anyway, so a
         residual save runs the kernels a keyframe compiled.
       budgets: for each, the factor of `effective_moment_budget` it is coded within (None: 1 for all; Lion's
-        and Muon's `mu` take `policy.NORMALIZED_BUDGET`): the moments of one factor, of the same units (a scale
-        or None) and on one device set share that budget, its total error split by `moment_width_power`.
+        and Muon's `mu` take `policy.NORMALIZED_BUDGET`).
 
     Returns:
       One `DeviceCodes` per moment: `centres` the cells' levels in `FIRST_CAPACITY` slots (the first `bins`
@@ -325,25 +250,10 @@ def encode_first_on_device(ms: Sequence[jax.Array], scales: Sequence[jax.Array |
     budgets = [1.0] * len(ms) if budgets is None else list(budgets)
     if not len(prunes) == len(budgets) == len(ms):
         raise ValueError("moments.encode_first_on_device needs one prunes flag and one budget factor per moment")
-    ratios = [_ratio(m, s, wc, np.bool_(pr), spec=RATIO_SKETCH)
-              for m, s, wc, pr in zip(ms, scales, weight_codes, prunes)]
-    # One budget for the moments of one budget factor, of the same units (relative to a second moment or not)
-    # and on one device set. A moment coded within less than the full budget is one whose update is normalized
-    # per tensor (Lion's sign, Muon's polar factor: policy.MOMENT_BUDGETS): a small moment's update is as large as
-    # a large one's, so each is coded within its own budget, alone. (Sharing one at power 0.5, then at power 1,
-    # ended a Muon transformer +1.83% and +2.52% against a noise floor of 1.25%, where each moment within its own
-    # had ended +0.74%.)
-    groups: dict = {}
-    for u, unit in enumerate(quantize.device_units(list(ms))):
-        for i in unit:
-            groups.setdefault((u, budgets[i], scales[i] is None, i if budgets[i] < 1 else None), []).append(i)
-    out: list[DeviceCodes | None] = [None] * len(ms)
-    for (_, b, _, _), members in groups.items():
-        step, reference = _steps([ratios[i][3] for i in members], b * cfg.effective_moment_budget,
-                                 cfg.moment_width_power)
-        for i in members:
-            r, zero, exact, hist = ratios[i]
-            levels, cells, width = _levels(hist, step, reference, spec=RATIO_SKETCH)
-            codes, table, in_place = _codes(ms[i], r, zero, exact, levels, cells, width)
-            out[i] = DeviceCodes(codes, table, in_place, cells, scale=scales[i])
+    out = []
+    for m, s, wc, pr, b in zip(ms, scales, weight_codes, prunes, budgets):
+        r, zero, exact, hist = _ratio(m, s, wc, np.bool_(pr), spec=RATIO_SKETCH)
+        levels, cells, width = _widths(hist, np.float32(b * cfg.effective_moment_budget), spec=RATIO_SKETCH)
+        codes, table, in_place = _codes(m, r, zero, exact, levels, cells, width)
+        out.append(DeviceCodes(codes, table, in_place, cells, scale=s))
     return out

@@ -72,8 +72,6 @@ MOMENT_FIELDS: dict[type, dict[str, str]] = {
 # fidelity_charlm-lion.md at this fraction).
 NORMALIZED_BUDGET = 0.1
 # Per optax state type: field -> the factor of the first-moment budget its moment is coded within (1 if absent).
-# A factor below 1 marks a moment whose update is normalized per tensor: moments.py codes each such moment within
-# its own budget, not one shared with the save's other first moments.
 MOMENT_BUDGETS: dict[type, dict[str, float]] = {optax.ScaleByLionState: {"mu": NORMALIZED_BUDGET}}
 # Per optax state type: the fields that hold iterates of the parameters' shape (schedule-free's `z`, the
 # sequence its parameters interpolate): optimizer state quantized as parameters are (closed loop), not exactly.

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import inshrink_jax as ij
-from inshrink_jax import codec, moments, policy, quantize, save
+from inshrink_jax import moments, policy, quantize, save
 from inshrink_jax.save import MIN_MOMENT_SIZE
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -135,80 +135,6 @@ def test_first_moment_update_error_is_within_the_budget(seed, budget, zeros, dty
     assert looser.bins <= enc.bins
 
 
-def test_first_moment_cells_use_their_budget():
-    # the widest width within the budget, refined between the coarse grid's steps (1.186x apart, then 1.022x):
-    # on a Gaussian ratio the update's error lands within a few percent of the budget, where the coarse grid's
-    # widths alone left it 3-21% below (more bits for nothing); over it by at most the histogram's measure (values
-    # within 5% of their buckets')
-    rng = np.random.default_rng(1)
-    nu = ((rng.standard_normal((256, 128)) * 10.0 ** rng.uniform(-4, 0, size=(256, 128))) ** 2).astype(np.float32)
-    mu = (rng.standard_normal(nu.shape) * np.sqrt(nu) * 0.3).astype(np.float32)
-    for budget in (0.02, 0.05, 0.1, 0.2, 0.3):
-        _, restored, _ = first_decoded(mu, nu, moment_budget=budget)
-        assert 0.9 <= update_error(restored, mu, nu) / budget <= 1.1, budget
-
-
-def _two_moments(rng, sizes=(0.3, 0.03)):
-    """Adam-like (mu, nu) pairs whose ratios' RMS are `sizes`."""
-    nus = [(rng.uniform(0.5, 2.0, (128, 64)) * 1e-4).astype(np.float32) for _ in sizes]
-    return [(rng.standard_normal(nu.shape) * np.sqrt(nu) * s).astype(np.float32) for nu, s in zip(nus, sizes)], nus
-
-
-def test_a_saves_first_moments_share_one_budget_split_by_the_width_power():
-    # two moments whose updates are 10x apart in RMS, coded in one call: their summed error meets the budget at
-    # every power; power 1 gives both the same share of their own energy, lower powers move the error to the
-    # smaller one (wider cells relative to it) and take fewer bits for the same total
-    mus, nus = _two_moments(np.random.default_rng(5))
-    shares, bits = [], []
-    for power in (1.0, 0.5, 0.0):
-        cfg = ij.CompressionConfig(moment_width_power=power)
-        budget = cfg.effective_moment_budget
-        devs = moments.encode_first_on_device([jnp.asarray(m) for m in mus], [jnp.asarray(n) for n in nus],
-                                              [None, None], cfg)
-        errs = [update_error(np.asarray(d.dequantize(jnp.float32)), m, n) * float((m ** 2 / n).sum())
-                for d, m, n in zip(devs, mus, nus)]
-        energies = [float((m.astype(np.float64) ** 2 / n).sum()) for m, n in zip(mus, nus)]
-        assert 0.85 * budget <= sum(errs) / sum(energies) <= 1.1 * budget, power
-        shares.append(errs[1] / energies[1] / (errs[0] / energies[0]))
-        bits.append(sum(codec.order0_entropy_bytes(np.asarray(d.codes)) for d in devs))
-    assert 0.7 <= shares[0] <= 1.4 and shares[0] < shares[1] < shares[2]
-    assert bits[0] > bits[1] > bits[2]
-
-
-def test_normalized_moments_are_each_coded_within_their_own_budget():
-    # Lion's and Muon's mu (a budget factor below 1): their updates are normalized per tensor, so each is coded
-    # alone, within its own budget, at any moment_width_power: the codes it takes alone
-    mus, _ = _two_moments(np.random.default_rng(7))
-    cfg = ij.CompressionConfig(moment_width_power=0.0)
-    budget = policy.NORMALIZED_BUDGET * cfg.effective_moment_budget
-    devs = moments.encode_first_on_device([jnp.asarray(m) for m in mus], [None, None], [None, None], cfg,
-                                          budgets=[policy.NORMALIZED_BUDGET] * 2)
-    for d, m in zip(devs, mus):
-        alone, = moments.encode_first_on_device([jnp.asarray(m)], [None], [None], cfg,
-                                                budgets=[policy.NORMALIZED_BUDGET])
-        np.testing.assert_array_equal(np.asarray(d.codes), np.asarray(alone.codes))
-        assert 0.85 <= update_error(np.asarray(d.dequantize(jnp.float32)), m) / budget <= 1.1
-
-
-def test_moments_of_other_budgets_or_units_are_split_apart():
-    # Adam's mu (relative to nu), a momentum with no second moment beside it (other units) and a moment of a
-    # tenth of the budget (Lion's): each meets its own budget, with the codes it takes when coded alone
-    rng = np.random.default_rng(6)
-    (adam, lion), (nu, lion_nu) = _two_moments(rng, (0.3, 0.3))
-    trace = (rng.standard_normal((96, 32)) * 100.0).astype(np.float32)
-    cfg = ij.CompressionConfig()
-    together = moments.encode_first_on_device(
-        [jnp.asarray(adam), jnp.asarray(trace), jnp.asarray(lion)], [jnp.asarray(nu), None, jnp.asarray(lion_nu)],
-        [None, None, None], cfg, budgets=[1.0, 1.0, policy.NORMALIZED_BUDGET])
-    for d, m, n, b in zip(together, (adam, trace, lion), (nu, None, lion_nu), (1.0, 1.0, policy.NORMALIZED_BUDGET)):
-        alone, = moments.encode_first_on_device([jnp.asarray(m)], [None if n is None else jnp.asarray(n)], [None],
-                                                cfg, budgets=[b])
-        np.testing.assert_array_equal(np.asarray(d.codes), np.asarray(alone.codes))
-        np.testing.assert_array_equal(np.asarray(d.centres), np.asarray(alone.centres))
-        error = update_error(np.asarray(d.dequantize(jnp.float32)), m, n) / (b * cfg.effective_moment_budget)
-        assert 0.85 <= error <= 1.1, b
-
-
 def test_first_moments_where_the_second_moment_cannot_scale_are_stored_exactly():
     mu = np.linspace(-1e-3, 1e-3, 64 * 32, dtype=np.float32).reshape(64, 32)
     nu = np.full(mu.shape, 1e-6, np.float32)
@@ -226,23 +152,22 @@ def test_first_moments_where_the_second_moment_cannot_scale_are_stored_exactly()
 @pytest.mark.slow  # 22 s; .ci/run runs it
 def test_lions_first_moment_is_coded_within_the_normalized_budget(tmp_path, trained):
     """A Lion state saved with the default configuration: its `mu` comes back within `policy.NORMALIZED_BUDGET` of the
-    first-moment budget (squared error summed over its tensors against their own), where the full budget would not
-    hold it so close."""
+    first-moment budget (squared error against its own), where the full budget would not hold it so close."""
     state, grads, _ = trained
     lion = state.replace(tx=optax.lion(1e-4), opt_state=optax.lion(1e-4).init(state.params))
     for _ in range(20):  # a mu of some history: the gradients of the digits' last step, decayed and renewed
         lion = lion.apply_gradients(grads=jax.tree.map(lambda g: g * (1 + 0.1 * jnp.sign(g)), grads))
     r, _ = save_restore(tmp_path, lion, grads)
     cfg = ij.CompressionConfig()
-    pairs = [(np.asarray(a, np.float64), np.asarray(b, np.float64))
-             for a, b in zip(jax.tree.leaves(r.opt_state[0].mu), jax.tree.leaves(lion.opt_state[0].mu))
-             if b.size >= MIN_MOMENT_SIZE]
-    error = sum(((a - b) ** 2).sum() for a, b in pairs) / sum((b ** 2).sum() for _, b in pairs)
-    assert len(pairs) >= 2 and error <= (np.sqrt(policy.NORMALIZED_BUDGET * cfg.effective_moment_budget) + 0.05) ** 2
+    errors = []
+    for a, b in zip(jax.tree.leaves(r.opt_state[0].mu), jax.tree.leaves(lion.opt_state[0].mu)):
+        if a.size >= cfg.min_compress_size:
+            errors.append(update_error(np.asarray(a), np.asarray(b)))
+    assert errors and max(errors) <= (np.sqrt(policy.NORMALIZED_BUDGET * cfg.effective_moment_budget) + 0.05) ** 2
     # and the full budget, as Adam's mu takes it, codes the same moments more coarsely
-    full = [np.asarray(d.dequantize(jnp.float32)) for d in moments.encode_first_on_device(
-        [jnp.asarray(b, jnp.float32) for _, b in pairs], [None] * len(pairs), [None] * len(pairs), cfg)]
-    assert sum(((f - b) ** 2).sum() for f, (_, b) in zip(full, pairs)) / sum((b ** 2).sum() for _, b in pairs) > error
+    full = [update_error(np.asarray(first_decoded(np.asarray(b))[1]), np.asarray(b))
+            for b in jax.tree.leaves(lion.opt_state[0].mu) if b.size >= cfg.min_compress_size]
+    assert min(full) > max(errors)
 
 
 def test_a_tiny_first_moment_beside_a_tiny_second_moment_keeps_its_update():
