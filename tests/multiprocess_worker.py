@@ -52,9 +52,9 @@ for s in r1["opt"].trace.addressable_shards:
 for s in r1["params"]["w"].addressable_shards:
     assert np.max(np.abs(np.asarray(s.data) - host1["params"]["w"][s.index])) < 0.5
 
-# Adam's moments quantized (the default policy), sharded over both processes: each first moment's cells are
-# chosen on a histogram of every process's shards, so both processes store one value table and the restore is
-# within the budget
+# Adam's moments quantized (the default policy), sharded over both processes (each writes its own shards' codes
+# against one value table a moment): restored in another layout, every process's shards of the first moments are
+# within the first-moment budget of the update
 nu = (rng.uniform(0.5, 2.0, size=(2, 64, 48)) * [[[1e-4]], [[1e-6]]]).astype(np.float32)
 mu = (rng.standard_normal(size=nu.shape) * np.sqrt(nu) * [[[0.3]], [[0.03]]]).astype(np.float32)
 adam_host = {"params": {"a": host["params"]["w"], "b": host1["params"]["w"]},
