@@ -590,18 +590,14 @@ class Evaluator:
         return d if p <= self.cfg.effective_proxy_budget else math.inf
 
 
-def width_reference(leaves, quant_idx, offsets, factors, cfg: CompressionConfig, uniform: bool,
-                    samples: bool = False) -> np.ndarray | None:
+def width_reference(leaves, quant_idx, offsets, factors, cfg: CompressionConfig, uniform: bool) -> np.ndarray | None:
     """The width reference (`quantize.residual_reference`) of a closed-loop residual save whose cells are uniform
     (`uniform`), else None: every candidate of its search and the encoding of its choice take this one number.
-    Where the search takes row samples (`samples`), the RMS of the samples, not one more pass over every value of a
-    large state (a sampled tensor counts by its sample, so small tensors weigh more than in the whole state's
-    RMS)."""
+    Where the search takes row samples, `choose` passes the samples (`_row_samples`): their RMS, not one more pass
+    over every value of a large state (a sampled tensor counts by its sample, so small tensors weigh more than in
+    the whole state's RMS)."""
     if not uniform:
         return None
-    if samples:
-        return quantize.residual_reference([_row_sample(leaves[i]) for i in quant_idx],
-                                           [_row_sample(o) for o in offsets], factors, cfg.residual_width_power)
     return quantize.residual_reference([leaves[i] for i in quant_idx], offsets, factors, cfg.residual_width_power)
 
 
@@ -650,7 +646,9 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
         bits[lt] = 8 * jnp.dtype(leaves[i].dtype).itemsize
     keyframe = cfg.closed_loop and not residual and all(o is None for o in offsets or ())  # not against a base
     samples = (residual or (eval_fn is None and previous is None)) and _takes_samples(leaves, quant_idx, factors)
-    reference = width_reference(leaves, quant_idx, offsets, factors, cfg, residual and any(space.steps), samples)
+    # the row samples of a large state, taken once: the width reference's and the sampled search's
+    small, small_offsets = _row_samples(leaves, quant_idx, offsets) if samples else (leaves, offsets)
+    reference = width_reference(small, quant_idx, small_offsets, factors, cfg, residual and any(space.steps))
     evaluator = Evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, None if residual else eval_fn,
                           offsets=offsets, residual=residual, factors=factors, keyframe_floor=keyframe,
                           reference=reference)
@@ -687,8 +685,8 @@ def choose(leaves: list, treedef, quant_idx: Sequence[int], gs: Sequence, layer_
             outcome = searched(evaluator, start)
         else:  # a large state's first search, or residual save: on row samples, then the choice measured whole
             # (a residual space of one axis: its less aggressive rungs after it, where it fails the budget)
-            sampled = _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe,
-                                         residual, factors, reference)
+            sampled = _sampled_evaluator(small, treedef, quant_idx, gs, layer_types, cfg, small_offsets, keyframe,
+                                         residual, reference)
             ladder = functools.partial(_ladder, cube, metric=metrics[0], capacity=cfg.bins_capacity) \
                 if residual and sum(len(v) > 1 for v in cube.values) <= 1 else None
             outcome = _measured_whole(evaluator, searched(sampled, start), budget, searched, ladder)
@@ -782,18 +780,22 @@ def _takes_samples(leaves, quant_idx, factors) -> bool:
                 not all(getattr(x, "is_fully_addressable", True) for x in xs))
 
 
-def _sampled_evaluator(leaves, treedef, quant_idx, gs, layer_types, cfg, offsets, keyframe, residual: bool = False,
-                       factors=None, reference=None) -> "Evaluator":
-    """An `Evaluator` (data-free proxy) of the same leaves with the large tensors row-sampled (`_row_sample`,
-    their gradients and offsets alike; a closed-loop residual save's candidates scored without encoding them,
-    with the whole state's width `reference`), for a state that `_takes_samples`."""
+def _row_samples(leaves, quant_idx, offsets) -> tuple[list, list | None]:
+    """(the leaves with the quantized ones row-sampled, the offsets row-sampled) (`_row_sample`)."""
     small = list(leaves)
     for i in quant_idx:
         small[i] = _row_sample(leaves[i])
-    offs = None if offsets is None else [_row_sample(o) for o in offsets]
-    return Evaluator(small, treedef, quant_idx, [_row_sample(g) for g in gs], layer_types, cfg, None, offsets=offs,
-                     residual=residual, keyframe_floor=keyframe, scored=True if residual else None,
-                     reference=reference)
+    return small, None if offsets is None else [_row_sample(o) for o in offsets]
+
+
+def _sampled_evaluator(small, treedef, quant_idx, gs, layer_types, cfg, small_offsets, keyframe,
+                       residual: bool = False, reference=None) -> "Evaluator":
+    """An `Evaluator` (data-free proxy) of row-sampled leaves and offsets (`_row_samples`), their gradients
+    sampled alike (a closed-loop residual save's candidates scored without encoding them, with the whole state's
+    width `reference`), for a state that `_takes_samples`."""
+    return Evaluator(small, treedef, quant_idx, [_row_sample(g) for g in gs], layer_types, cfg, None,
+                     offsets=small_offsets, residual=residual, keyframe_floor=keyframe,
+                     scored=True if residual else None, reference=reference)
 
 
 def _measured_whole(evaluator: "Evaluator", sampled: Outcome, budget: float, run_search,

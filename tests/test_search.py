@@ -778,7 +778,8 @@ def test_a_large_residual_save_is_searched_on_row_samples_and_its_choice_measure
         heavy = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3 *
                                  np.where(rng.random(s) < 0.05, 30.0, 1.0)) for o, s in zip(offs, shapes)]
         sampled = search._sampled_evaluator
-        monkeypatch.setattr(search, "_sampled_evaluator", lambda leaves, *a: sampled(heavy, *a))
+        monkeypatch.setattr(search, "_sampled_evaluator",
+                            lambda small, t, q, *a: sampled(search._row_samples(heavy, q, None)[0], t, q, *a))
     lts = ["dense", "dense", "other"]
     cfg = ij.CompressionConfig()
 
@@ -856,7 +857,8 @@ def test_a_sampled_choice_that_fails_on_the_whole_state_ends_at_the_least_error_
     xs = [o + jnp.asarray(rng.standard_normal(s).astype(np.float32) * 1e-3 * np.where(rng.random(s) < 1e-3, 1e4, 1.0))
           for o, s in zip(offs, shapes)]
     sampled = search._sampled_evaluator
-    monkeypatch.setattr(search, "_sampled_evaluator", lambda leaves, *a: sampled(easy, *a))
+    monkeypatch.setattr(search, "_sampled_evaluator",
+                        lambda small, t, q, *a: sampled(search._row_samples(easy, q, None)[0], t, q, *a))
     # Each tensor's cells relative to its own residual: the whole state's outliers would otherwise widen the
     # samples' cells too (the width reference is the whole state's), which is not what this test is about.
     cfg = ij.CompressionConfig(epsilon=0.002, residual_width_power=1.0)
@@ -899,7 +901,8 @@ def test_a_large_residual_save_keeps_its_previous_choice_after_one_whole_measure
     wider = dataclasses.replace(first.quant, step=1.75)
     # the samples scored as the search scored them: with its width reference (the samples' residual RMS)
     assert first.reference is not None
-    sampled = search._sampled_evaluator(list(xs), None, [0, 1, 2], [None] * 3, lts, cfg, offs, False, True, None,
+    small, small_offs = search._row_samples(list(xs), [0, 1, 2], offs)
+    sampled = search._sampled_evaluator(small, None, [0, 1, 2], [None] * 3, lts, cfg, small_offs, False, True,
                                         first.reference)
     expect = sampled([wider])[0][0] / sampled([first.quant])[0][0]
     assert record["wider"]["ratio"] == pytest.approx(expect, rel=1e-6) and expect > 1
