@@ -44,7 +44,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import report  # noqa: E402
-from residual_bound import trajectory  # noqa: E402
+from residual_bound import trajectory, widths_of  # noqa: E402
 from residual_coding import entropy_bits  # noqa: E402
 
 from inshrink_jax import CompressionConfig, moments, save  # noqa: E402
@@ -119,14 +119,13 @@ def library(moms) -> list:
 
 
 def whole_save(rs, budget, power):
-    """[(codes, error)] of one step `s` for all of `rs`, widths s G^(1-p) RMS_i^p (at least s RMS_i / 8), the
-    widest whose total error is within `budget` of the total energy (bisection on log s)."""
+    """[(codes, error)] of one step `s` for all of `rs`, widths s G^(1-p) RMS_i^p (at least s RMS_i / 8:
+    `residual_bound.widths_of`), the widest whose total error is within `budget` of the total energy (bisection
+    on log s)."""
     energy = sum(float((r ** 2).sum()) for r in rs)
-    whole = math.sqrt(energy / sum(r.size for r in rs))
-    rms = [math.sqrt(float((r ** 2).mean())) or 1.0 for r in rs]
 
     def at(s):
-        return [coded(r, max(s * whole ** (1 - power) * x ** power, s * x / 8)) for r, x in zip(rs, rms)]
+        return [coded(r, w) for r, w in zip(rs, widths_of(rs, s, power))]
 
     lo, hi = math.log(0.01), math.log(20.0)
     for _ in range(16):

@@ -81,8 +81,8 @@ def error(rs, coded) -> float:
 
 def widths_of(rs, step: float, power: float):
     """Cell widths: `step` times the whole state's residual RMS^(1 - power) times the tensor's RMS^power (power
-    1: the default's, each tensor's own RMS; 0: one width), at least an eighth of the tensor's own step, so 63
-    cells span its values."""
+    1: each tensor's own RMS, earlier releases'; 1/2: the default's; 0: one width), at least an eighth of the
+    tensor's own step, so 63 cells span its values."""
     rms = [math.sqrt(float((r.astype(np.float64) ** 2).mean())) for r in rs]
     whole = math.sqrt(sum(float((r.astype(np.float64) ** 2).sum()) for r in rs) / sum(r.size for r in rs))
     return [max(step * whole ** (1 - power) * x ** power, step * x / 8, 1e-30) for x in rms]
