@@ -38,6 +38,8 @@ Workloads (the harness, failures and figures are those of bench_fault_tolerance.
           MLP 64, channel MLP 128; 94k parameters) with global-norm clipping and AdamW (2e-3, 100 warm-up steps,
           cosine decay over 1500 steps, weight decay 1e-4): its optimizer state is a chain's tuple, batch 128, a
           checkpoint every 50, quality = test accuracy.
+  mixer-muon  the same MLP-Mixer, data and spacing with Muon (peak 0.02, the same warm-up and decay) on its
+          matrices and AdamW on the rest (its patch convolution, biases and layer norms): a second Muon workload.
 Noise floor: the largest |relative difference| of the final quality of seeds 1 and 2 from seed 0 (uninterrupted,
 no checkpoints); a method is "within noise" when its degradation is at most that.
 
@@ -305,9 +307,27 @@ class MixerAdamW(FlaxMnist):
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-4))
 
 
+class MixerMuon(MixerAdamW):
+    """The MLP-Mixer with Muon on its matrices (module docstring): a second Muon workload, of another
+    architecture and data than charlm-muon's."""
+
+    name = "mixer-muon"
+    MUON_LR = 0.02  # Muon's usual peak learning rate on matrices (charlm.MUON_LR)
+
+    def describe(self, steps):
+        return super().describe(steps).replace(
+            "AdamW 2e-3", f"Muon {self.MUON_LR:g} on the matrices and AdamW 2e-3 on the rest")
+
+    def optimizer(self):
+        adam = optax.warmup_cosine_decay_schedule(0.0, 2e-3, 100, self.total)
+        muon = optax.warmup_cosine_decay_schedule(0.0, self.MUON_LR, 100, self.total)
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.muon(
+            muon, weight_decay=1e-4, adam_learning_rate=adam, adam_weight_decay=1e-4))
+
+
 WORKLOADS = {"mnist": ft.Mnist, "charlm": ft.CharLM, "charlm-lion": CharLMLion, "charlm-muon": CharLMMuon,
              "charlm-schedule-free": CharLMScheduleFree, "longlm": LongLM, "lstm": LSTMFineTune, "resnet": ResNetSGD,
-             "vit": ViTAdamW, "mixer": MixerAdamW}
+             "vit": ViTAdamW, "mixer": MixerAdamW, "mixer-muon": MixerMuon}
 
 
 def method(name: str):
