@@ -2,7 +2,7 @@
 end where the same run without restores ends, whatever the optimizer state holds?
 
 Usage: python benchmarks/bench_optimizers.py [--optimizers lion adafactor ...] [--seeds 3] [--budget STATE=F ...]
-           [--out benchmarks/results/optimizers.md]
+           [--rules REGEX=POLICY ...] [--out benchmarks/results/optimizers.md]
 
 Task: a 3-layer MLP with LayerNorm (83k parameters) on a synthetic teacher (10 classes from a noisy linear map of
 64 Gaussian inputs), batch 256, 600 steps, a checkpoint every 50 with `CompressionConfig()`, a GradientEMA and the
@@ -14,7 +14,9 @@ run-to-run noise). Bytes: everything the resumed run wrote, against the raw stat
 
 --budget STATE=F codes the first moment `mu` of the optax state type named STATE (ScaleByLionState,
 MuonState) within F of the first-moment budget instead of its default (`policy.MOMENT_BUDGETS`: Lion's
-`policy.NORMALIZED_BUDGET`, others 1, the full budget Adam's `mu` takes).
+`policy.NORMALIZED_BUDGET`, others 1, the full budget Adam's `mu` takes). --rules REGEX=POLICY saves with
+`CompressionConfig(policy_rules=...)` of those pairs, e.g. `'\[.muon.\].*\.mu=drop'` restores Muon's momentum as
+zeros.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def loss_fn(params, apply, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(apply({"params": params}, x).astype(jnp.float32), y).mean()
 
 
-def run(name: str, seed: int, root: str, resume: bool) -> tuple[float, int, int]:
-    """(final held-out loss, bytes written, raw state bytes summed over the saves) of one run."""
+def run(name: str, seed: int, root: str, resume: bool, rules: tuple = ()) -> tuple[float, int, int]:
+    """(final held-out loss, bytes written, raw state bytes summed over the saves) of one run, saved with
+    `CompressionConfig(policy_rules=rules)`."""
     model = MLP(jnp.bfloat16 if "bfloat16" in name else jnp.float32)
     params = model.init(jax.random.key(seed), jnp.zeros((1, 64)))["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=OPTIMIZERS[name]())
@@ -106,7 +109,8 @@ def run(name: str, seed: int, root: str, resume: bool) -> tuple[float, int, int]
         return s.apply_gradients(grads=g), g
 
     def manager():
-        return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(ij.CompressionConfig()),
+        return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(
+            ij.CompressionConfig(policy_rules=rules)),
                                      options=ocp.CheckpointManagerOptions(max_to_keep=3))
 
     shutil.rmtree(root, ignore_errors=True)
@@ -137,8 +141,10 @@ def main(argv=None):
     ap.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS), metavar="NAME")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--budget", nargs="+", default=[], metavar="STATE=F")
+    ap.add_argument("--rules", nargs="+", default=[], metavar="REGEX=POLICY")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    rules = tuple(tuple(item.rsplit("=", 1)) for item in args.rules)
     types = {t.__name__: t for t in policy.MOMENT_FIELDS}
     for item in args.budget:
         name, _, factor = item.partition("=")
@@ -151,7 +157,8 @@ def main(argv=None):
     lines = ["# The default configuration on other optimizers: 5 restores against the same run without them", "",
              f"Command: `{cmd}`", "", __doc__.split("\n\n")[2].replace("\n", " "), "",
              "First moments coded within these fractions of the first-moment budget: " + ", ".join(
-                 f"{t.__name__}.mu {f['mu']:g}" for t, f in policy.MOMENT_BUDGETS.items()) + " (every other one: 1).",
+                 f"{t.__name__}.mu {f['mu']:g}" for t, f in policy.MOMENT_BUDGETS.items()) + " (every other one: 1)."
+             + (" Policy rules: " + ", ".join(f"`{r}` {p}" for r, p in rules) + "." if rules else ""),
              "",
              "| optimizer | final loss, no restores (seeds) | with 5 restores: change (seeds) | mean change | "
              "largest seed-to-seed difference without restores | whole ratio | s |",
@@ -161,7 +168,7 @@ def main(argv=None):
         refs, changes, written, raws = [], [], 0, 0
         for seed in range(args.seeds):
             ref, _, _ = run(name, seed, root, resume=False)
-            got, w, raw = run(name, seed, root, resume=True)
+            got, w, raw = run(name, seed, root, resume=True, rules=rules)
             refs.append(ref)
             changes.append(got / ref - 1)
             written, raws = written + w, raws + raw

@@ -18,6 +18,10 @@ compared with the one from the exact momentum: the relative Frobenius error of e
 - **next batch's gradient**: the update from the exact momentum with the gradient of the batch after (how much
   the update moves from one step to the next by itself).
 
+- **polar factor within F** (a coding not built in the library): each matrix stored as its polar
+  decomposition M = A H, A (orthonormal columns: the direction Muon's update takes) coded as a first moment within
+  F of the budget and H = (M^T M)^(1/2) (of the smaller side) in bfloat16; bits are A's codes' entropy and 16 per
+  value of H's upper triangle. The attention biases are left exact in these rows.
 - **dropped**: the momentum restored as zeros (the `drop` policy).
 
 An error of the momentum lasts in it (beta 0.95: about 20 steps); the next batch's change does not. So the table
@@ -45,6 +49,7 @@ from inshrink_jax import CompressionConfig, moments, policy  # noqa: E402
 
 FACTORS = (1.0, policy.NORMALIZED_BUDGET, 0.03, 0.01)
 NOISE = (0.1, 0.03, 0.01, 0.003)
+POLAR = (1.0, 0.3)
 NEXT = "next batch's gradient"
 AFTER = 20  # steps trained after a restore (beta 0.95: an error of the momentum lasts about 20)
 
@@ -71,6 +76,20 @@ def update_of(work, state, batch, mu) -> dict:
     s = with_mu(state, mu)
     out, _ = s.tx.update(grads, s.opt_state, s.params)
     return _keyed(out)
+
+
+def polar_coded(m, factor: float, cfg) -> tuple[jax.Array, float]:
+    """(decoded, bits) of a matrix stored as its polar decomposition M = A H (A with orthonormal columns, the
+    update's direction; H = (M^T M)^(1/2), of the smaller side): A coded as a first moment within `factor` of the
+    budget, H in bfloat16 (its upper triangle). Then the error of the decoded A H is A's error times H, shaped as
+    M's singular values are, and its polar factor is A's: a coding of Muon's momentum not built in the library."""
+    x = m.T if m.shape[0] < m.shape[1] else m
+    u, sv, vt = jnp.linalg.svd(x, full_matrices=False)
+    a, h = u @ vt, (vt.T * sv) @ vt
+    dev = moments.encode_first_on_device([a], [None], [None], cfg, budgets=[factor])[0]
+    out = dev.dequantize(a.dtype) @ h.astype(jnp.bfloat16).astype(h.dtype)
+    n = h.shape[0]
+    return (out.T if x is not m else out), entropy_bits(np.asarray(dev.codes)) + 16 * n * (n + 1) / 2
 
 
 def losses_after(work, state, step: int) -> np.ndarray:
@@ -115,6 +134,13 @@ def measure(work, state, step: int) -> tuple[list[str], dict]:
         noisy = [x + e * jnp.sqrt(jnp.mean(x * x)) * jax.random.normal(k, x.shape, x.dtype)
                  for x, k in zip(leaves, keys_)]
         rows[f"Gaussian noise {e:g}"] = (*errors(noisy), None)
+    for f in POLAR:
+        coded, bits = list(leaves), 0.0
+        for i in big:
+            coded[i], b = polar_coded(leaves[i], f, cfg)
+            bits += b
+        rows[f"polar factor within {f:g}, symmetric factor in bfloat16 (not built)"] = (
+            *errors(coded), bits / sum(leaves[i].size for i in big))
     rows["dropped (zeros: policy 'drop')"] = (*errors([jnp.zeros_like(x) for x in leaves]), None)
     following = update_of(work, state, tuple(map(jnp.asarray, work.batch(step + 2))), mu)
     rows[NEXT] = ([0.0] * len(big), [rel(following[keys[i]], exact[keys[i]]) for i in big], None, None)
