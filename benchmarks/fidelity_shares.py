@@ -20,8 +20,8 @@ import os
 import report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-WORKLOADS = ("charlm", "longlm", "mnist", "lstm", "resnet", "vit", "mixer", "charlm-lion", "charlm-muon",
-             "charlm-schedule-free")
+WORKLOADS = ("charlm", "longlm", "mnist", "lstm", "resnet", "vit", "mixer", "mixer-muon", "charlm-lion",
+             "charlm-muon", "charlm-schedule-free")
 
 
 def shares(workload: str) -> dict:

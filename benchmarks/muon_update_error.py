@@ -22,6 +22,9 @@ compared with the one from the exact momentum: the relative Frobenius error of e
   decomposition M = A H, A (orthonormal columns: the direction Muon's update takes) coded as a first moment within
   F of the budget and H = (M^T M)^(1/2) (of the smaller side) in bfloat16; bits are A's codes' entropy and 16 per
   value of H's upper triangle. The attention biases are left exact in these rows.
+- **its K largest singular directions** (a coding not built): each matrix restored as its best rank-K
+  approximation, stored in float32 (K (m + n + 1) values); the rest of the momentum dropped. The attention biases are
+  left exact in these rows.
 - **dropped**: the momentum restored as zeros (the `drop` policy).
 
 An error of the momentum lasts in it (beta 0.95: about 20 steps); the next batch's change does not. So the table
@@ -50,6 +53,7 @@ from inshrink_jax import CompressionConfig, moments, policy  # noqa: E402
 FACTORS = (1.0, policy.NORMALIZED_BUDGET, 0.03, 0.01)
 NOISE = (0.1, 0.03, 0.01, 0.003)
 POLAR = (1.0, 0.3)
+RANKS = (4, 16)
 NEXT = "next batch's gradient"
 AFTER = 20  # steps trained after a restore (beta 0.95: an error of the momentum lasts about 20)
 
@@ -140,6 +144,14 @@ def measure(work, state, step: int) -> tuple[list[str], dict]:
             coded[i], b = polar_coded(leaves[i], f, cfg)
             bits += b
         rows[f"polar factor within {f:g}, symmetric factor in bfloat16 (not built)"] = (
+            *errors(coded), bits / sum(leaves[i].size for i in big))
+    for k in RANKS:
+        coded, bits = list(leaves), 0.0
+        for i in big:
+            u, sv, vt = jnp.linalg.svd(leaves[i], full_matrices=False)
+            coded[i] = (u[:, :k] * sv[:k]) @ vt[:k]
+            bits += 32 * k * (sum(leaves[i].shape) + 1)
+        rows[f"its {k} largest singular directions, float32 (not built)"] = (
             *errors(coded), bits / sum(leaves[i].size for i in big))
     rows["dropped (zeros: policy 'drop')"] = (*errors([jnp.zeros_like(x) for x in leaves]), None)
     following = update_of(work, state, tuple(map(jnp.asarray, work.batch(step + 2))), mu)
