@@ -106,7 +106,9 @@ def losses_after(work, state, step: int) -> np.ndarray:
 
 
 def measure(work, state, step: int) -> tuple[list[str], dict]:
-    """(matrix names, {row: (momentum errors, update errors, bits per value or None)}) at one save."""
+    """(matrix names, {row: (each matrix's momentum error, each one's update error, the relative change of the
+    mean training loss of the `AFTER` steps after, bits per value; the last two None where not measured)}) at one
+    save."""
     mu = _muon(state.opt_state).mu
     flat, tdef = jax.tree_util.tree_flatten_with_path(mu)
     keys, leaves = [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat]
