@@ -1,31 +1,31 @@
 """What an error of Muon's momentum does to its update: the orthogonalized update's error after a restore,
 against the momentum's own, for the library's coding of `MuonState.mu` and for Gaussian noise.
 
-Usage: python benchmarks/muon_update_error.py [--saves 5 10 15] [--out FILE]
+Usage: python benchmarks/muon_update_error.py [--workload charlm-muon|mlp-muon] [--saves 5 10 15] [--out FILE]
 (needs the `bench` extra: pip install -e '.[bench]')
 
-The character transformer of bench_fidelity.py trained with Muon (`charlm-muon`, seed 0, no checkpoints) is
-stopped at the given saves (a save every 30 steps). There, its Muon momentum (the matrices optax's Muon updates:
-the two blocks' dense kernels, the output kernel, the embedding, the position table; the (4, 32) attention biases
-are left out of the figures) is replaced by a coded or perturbed copy, and the first update after a restore (the
-next batch's gradient through `state.tx.update`: Nesterov blend, then Newton-Schulz orthogonalization) is
-compared with the one from the exact momentum: the relative Frobenius error of each matrix's update. Rows:
+A run trained with Muon (seed 0, no checkpoints) is stopped at the given saves: `charlm-muon`, the character
+transformer of bench_fidelity.py (a save every 30 steps), or `mlp-muon`, bench_optimizers.py's MLP with Muon at
+1e-3 (a save every 50). There, its Muon momentum (the matrices optax's Muon updates; those with a side of 8 or less,
+the transformer's (4, 32) attention biases, are left out of the figures) is replaced by a coded or perturbed copy,
+and the first update after a restore (the next batch's gradient through `state.tx.update`: Nesterov blend, then
+Newton-Schulz orthogonalization) is compared with the one from the exact momentum: the relative Frobenius error of
+each matrix's update. Rows:
 
 - **coded within F of the first-moment budget**: `moments.encode_first_on_device` with budget factor F (the
   default stores Muon's `mu` at `policy.NORMALIZED_BUDGET`, 0.1, of `effective_moment_budget`, 0.3); its bits
   are the order-0 entropy of the codes per value (what the stored streams cost within a few percent).
 - **Gaussian noise E**: the momentum plus independent noise of E times its RMS (no cap on the precision).
-- **next batch's gradient**: the update from the exact momentum with the gradient of the batch after (how much
-  the update moves from one step to the next by itself).
-
 - **polar factor within F** (a coding not built in the library): each matrix stored as its polar
   decomposition M = A H, A (orthonormal columns: the direction Muon's update takes) coded as a first moment within
   F of the budget and H = (M^T M)^(1/2) (of the smaller side) in bfloat16; bits are A's codes' entropy and 16 per
-  value of H's upper triangle. The attention biases are left exact in these rows.
+  value of H's upper triangle. The matrices left out of the figures are left exact in these rows.
 - **its K largest singular directions** (a coding not built): each matrix restored as its best rank-K
-  approximation, stored in float32 (K (m + n + 1) values); the rest of the momentum dropped. The attention biases are
-  left exact in these rows.
+  approximation, stored in float32 (K (m + n + 1) values); the rest of the momentum dropped. The matrices left out
+  of the figures are left exact in these rows.
 - **dropped**: the momentum restored as zeros (the `drop` policy).
+- **next batch's gradient**: the update from the exact momentum with the gradient of the batch after (how much
+  the update moves from one step to the next by itself).
 
 An error of the momentum lasts in it (beta 0.95: about 20 steps); the next batch's change does not. So the table
 also trains 20 steps from each restored state on the run's batches, against the same 20 steps from the exact one.
@@ -34,6 +34,7 @@ also trains 20 steps from each restored state on the run's batches, against the 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -48,6 +49,9 @@ import report  # noqa: E402
 from residual_bound import trajectory  # noqa: E402
 from residual_coding import entropy_bits  # noqa: E402
 
+import bench_optimizers  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
 from inshrink_jax import CompressionConfig, moments, policy  # noqa: E402
 
 FACTORS = (1.0, policy.NORMALIZED_BUDGET, 0.03, 0.01)
@@ -56,6 +60,47 @@ POLAR = (1.0, 0.3)
 RANKS = (4, 16)
 NEXT = "next batch's gradient"
 AFTER = 20  # steps trained after a restore (beta 0.95: an error of the momentum lasts about 20)
+
+
+class MLPMuon:
+    """bench_optimizers.py's MLP with Muon (1e-3, constant) on its synthetic teacher, as a workload of this script
+    (seed 0; a save every 50 steps, as there): where dropping Muon's momentum at a restore cost most."""
+
+    steps, every = bench_optimizers.STEPS, bench_optimizers.EVERY
+
+    def describe(self, steps):
+        return (f"bench_optimizers.py's MLP (83k parameters, 3 layers with LayerNorm) on its synthetic teacher, "
+                f"optax.contrib.muon 1e-3 (constant), batch 256, {steps} steps")
+
+    def create_state(self):
+        model = bench_optimizers.MLP()
+        params = model.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                             tx=bench_optimizers.OPTIMIZERS["muon"]())
+
+    def batch(self, step: int):
+        return bench_optimizers.batch(step)
+
+    def loss(self, state, x, y):
+        return bench_optimizers.loss_fn(state.params, state.apply_fn, x, y)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def train_step(self, state, x, y):
+        loss, g = jax.value_and_grad(lambda p: self.loss(state.replace(params=p), x, y))(state.params)
+        return state.apply_gradients(grads=g), loss, g
+
+
+def _trajectory(name: str, saves: int):
+    """(workload, its class, its whole state at each of the first `saves` saves) of seed 0."""
+    if name != "mlp-muon":
+        return trajectory(name, saves, take=lambda s: s)
+    work = MLPMuon()
+    state, snaps = work.create_state(), []
+    for step in range(1, work.every * saves + 1):
+        state, _, _ = work.train_step(state, *work.batch(step))
+        if step % work.every == 0:
+            snaps.append(state)
+    return work, MLPMuon, snaps
 
 
 def _muon(opt_state):
@@ -163,11 +208,12 @@ def measure(work, state, step: int) -> tuple[list[str], dict]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--saves", type=int, nargs="+", default=[5, 10, 15], help="which saves (a save every 30 steps)")
+    ap.add_argument("--workload", choices=("charlm-muon", "mlp-muon"), default="charlm-muon")
+    ap.add_argument("--saves", type=int, nargs="+", default=[5, 10, 15], help="which saves (1: the first)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    work, cls, snaps = trajectory("charlm-muon", max(args.saves), take=lambda s: s)
+    work, cls, snaps = _trajectory(args.workload, max(args.saves))
     per_save, names = [], None
     for n in args.saves:
         names, rows = measure(work, snaps[n - 1], n * cls.every)
