@@ -145,6 +145,10 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     rules = tuple(tuple(item.rsplit("=", 1)) for item in args.rules)
+    try:
+        ij.CompressionConfig(policy_rules=rules)  # a bad rule fails here, not after the first reference run
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"--rules {' '.join(args.rules)}: {e}") from None
     types = {t.__name__: t for t in policy.MOMENT_FIELDS}
     for item in args.budget:
         name, _, factor = item.partition("=")
