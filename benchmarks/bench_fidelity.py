@@ -312,15 +312,14 @@ class MixerMuon(MixerAdamW):
     architecture and data than charlm-muon's."""
 
     name = "mixer-muon"
-    MUON_LR = 0.02  # Muon's usual peak learning rate on matrices (charlm.MUON_LR)
 
     def describe(self, steps):
         return super().describe(steps).replace(
-            "AdamW 2e-3", f"Muon {self.MUON_LR:g} on the matrices and AdamW 2e-3 on the rest")
+            "AdamW 2e-3", f"Muon {charlm.MUON_LR:g} on the matrices and AdamW 2e-3 on the rest")
 
     def optimizer(self):
         adam = optax.warmup_cosine_decay_schedule(0.0, 2e-3, 100, self.total)
-        muon = optax.warmup_cosine_decay_schedule(0.0, self.MUON_LR, 100, self.total)
+        muon = optax.warmup_cosine_decay_schedule(0.0, charlm.MUON_LR, 100, self.total)
         return optax.chain(optax.clip_by_global_norm(1.0), optax.contrib.muon(
             muon, weight_decay=1e-4, adam_learning_rate=adam, adam_weight_decay=1e-4))
 

@@ -94,19 +94,26 @@ def loss_fn(params, apply, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(apply({"params": params}, x).astype(jnp.float32), y).mean()
 
 
+def create_state(name: str, seed: int) -> train_state.TrainState:
+    """The MLP (bfloat16 parameters where `name` says so) at initialisation `seed`, trained by `OPTIMIZERS[name]`."""
+    model = MLP(jnp.bfloat16 if "bfloat16" in name else jnp.float32)
+    params = model.init(jax.random.key(seed), jnp.zeros((1, 64)))["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=OPTIMIZERS[name]())
+
+
+@jax.jit
+def train_step(s, x, y):
+    """(state after one step on the batch, its loss, the gradients)."""
+    loss, g = jax.value_and_grad(loss_fn)(s.params, s.apply_fn, x, y)
+    return s.apply_gradients(grads=g), loss, g
+
+
 def run(name: str, seed: int, root: str, resume: bool, rules: tuple = ()) -> tuple[float, int, int]:
     """(final held-out loss, bytes written, raw state bytes summed over the saves) of one run, saved with
     `CompressionConfig(policy_rules=rules)`."""
-    model = MLP(jnp.bfloat16 if "bfloat16" in name else jnp.float32)
-    params = model.init(jax.random.key(seed), jnp.zeros((1, 64)))["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=OPTIMIZERS[name]())
+    state = create_state(name, seed)
     ex, ey = batch(10**6, 2048)
     eval_fn = jax.jit(lambda s: loss_fn(s.params, s.apply_fn, ex, ey))
-
-    @jax.jit
-    def step_fn(s, x, y):
-        loss, g = jax.value_and_grad(loss_fn)(s.params, s.apply_fn, x, y)
-        return s.apply_gradients(grads=g), g
 
     def manager():
         return ocp.CheckpointManager(root, item_handlers=ij.InshrinkCheckpointHandler(
@@ -118,7 +125,7 @@ def run(name: str, seed: int, root: str, resume: bool, rules: tuple = ()) -> tup
     ema = sens.init(state.params)
     raw = 0
     for step in range(1, STEPS + 1):
-        state, g = step_fn(state, *batch(step))
+        state, _, g = train_step(state, *batch(step))
         if sens.active(step):
             ema = sens.update(ema, g)
         if step % EVERY == 0:

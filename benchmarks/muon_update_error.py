@@ -34,7 +34,6 @@ also trains 20 steps from each restored state on the run's batches, against the 
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -46,11 +45,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import report  # noqa: E402
-from residual_bound import trajectory  # noqa: E402
+from residual_bound import saved, trajectory  # noqa: E402
 from residual_coding import entropy_bits  # noqa: E402
 
 import bench_optimizers  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 from inshrink_jax import CompressionConfig, moments, policy  # noqa: E402
 
@@ -67,27 +65,18 @@ class MLPMuon:
     (seed 0; a save every 50 steps, as there): where dropping Muon's momentum at a restore cost most."""
 
     steps, every = bench_optimizers.STEPS, bench_optimizers.EVERY
+    train_step = staticmethod(bench_optimizers.train_step)
+    batch = staticmethod(bench_optimizers.batch)
 
     def describe(self, steps):
         return (f"bench_optimizers.py's MLP (83k parameters, 3 layers with LayerNorm) on its synthetic teacher, "
                 f"optax.contrib.muon 1e-3 (constant), batch 256, {steps} steps")
 
     def create_state(self):
-        model = bench_optimizers.MLP()
-        params = model.init(jax.random.key(0), jnp.zeros((1, 64)))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                             tx=bench_optimizers.OPTIMIZERS["muon"]())
-
-    def batch(self, step: int):
-        return bench_optimizers.batch(step)
+        return bench_optimizers.create_state("muon", 0)
 
     def loss(self, state, x, y):
         return bench_optimizers.loss_fn(state.params, state.apply_fn, x, y)
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def train_step(self, state, x, y):
-        loss, g = jax.value_and_grad(lambda p: self.loss(state.replace(params=p), x, y))(state.params)
-        return state.apply_gradients(grads=g), loss, g
 
 
 def _trajectory(name: str, saves: int):
@@ -95,12 +84,7 @@ def _trajectory(name: str, saves: int):
     if name != "mlp-muon":
         return trajectory(name, saves, take=lambda s: s)
     work = MLPMuon()
-    state, snaps = work.create_state(), []
-    for step in range(1, work.every * saves + 1):
-        state, _, _ = work.train_step(state, *work.batch(step))
-        if step % work.every == 0:
-            snaps.append(state)
-    return work, MLPMuon, snaps
+    return work, MLPMuon, saved(work, work.every, saves, lambda s: s)
 
 
 def _muon(opt_state):
@@ -119,9 +103,13 @@ def with_mu(state, mu):
     return state.replace(opt_state=os_._replace(inner_states={**os_.inner_states, "muon": inner}))
 
 
-def update_of(work, state, batch, mu) -> dict:
-    """The update `state.tx` makes from the batch's gradient with Muon's momentum replaced by `mu`, by key."""
-    grads = jax.grad(lambda p: work.loss(state.replace(params=p), *batch))(state.params)
+def gradient(work, state, batch):
+    """The gradient of the parameters on `batch`."""
+    return jax.grad(lambda p: work.loss(state.replace(params=p), *batch))(state.params)
+
+
+def update_of(state, grads, mu) -> dict:
+    """The update `state.tx` makes from `grads` with Muon's momentum replaced by `mu`, by key."""
     s = with_mu(state, mu)
     out, _ = s.tx.update(grads, s.opt_state, s.params)
     return _keyed(out)
@@ -158,8 +146,8 @@ def measure(work, state, step: int) -> tuple[list[str], dict]:
     flat, tdef = jax.tree_util.tree_flatten_with_path(mu)
     keys, leaves = [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat]
     big = [i for i, x in enumerate(leaves) if x.ndim == 2 and min(x.shape) > 8]
-    batch = tuple(map(jnp.asarray, work.batch(step + 1)))
-    exact = update_of(work, state, batch, mu)
+    grads = gradient(work, state, tuple(map(jnp.asarray, work.batch(step + 1))))
+    exact = update_of(state, grads, mu)
 
     def rel(a, b):
         return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
@@ -168,7 +156,7 @@ def measure(work, state, step: int) -> tuple[list[str], dict]:
 
     def errors(coded):
         tree = jax.tree_util.tree_unflatten(tdef, coded)
-        got = update_of(work, state, batch, tree)
+        got = update_of(state, grads, tree)
         after = float(np.mean(losses_after(work, with_mu(state, tree), step) / reference) - 1)
         return ([rel(coded[i], leaves[i]) for i in big], [rel(got[keys[i]], exact[keys[i]]) for i in big], after)
 
@@ -201,7 +189,7 @@ def measure(work, state, step: int) -> tuple[list[str], dict]:
         rows[f"its {k} largest singular directions, float32 (not built)"] = (
             *errors(coded), bits / sum(leaves[i].size for i in big))
     rows["dropped (zeros: policy 'drop')"] = (*errors([jnp.zeros_like(x) for x in leaves]), None)
-    following = update_of(work, state, tuple(map(jnp.asarray, work.batch(step + 2))), mu)
+    following = update_of(state, gradient(work, state, tuple(map(jnp.asarray, work.batch(step + 2)))), mu)
     rows[NEXT] = ([0.0] * len(big), [rel(following[keys[i]], exact[keys[i]]) for i in big], None, None)
     return [keys[i] for i in big], rows
 

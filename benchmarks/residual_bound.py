@@ -154,15 +154,19 @@ def trajectory(name: str, saves: int, take=coded_parameters):
     """(workload, [take(state) at each save]) of seed 0, `saves` intervals (0: the workload's whole run); by
     default the float parameters of 64+ values."""
     cls = bf.WORKLOADS[name]
-    saves = saves or cls.steps // cls.every
     work = cls(0) if cls is ft.Mnist else cls(0, cls.steps)
-    state = work.create_state()
-    snaps = []
-    for step in range(1, cls.every * saves + 1):
+    return work, cls, saved(work, cls.every, saves or cls.steps // cls.every, take)
+
+
+def saved(work, every: int, saves: int, take) -> list:
+    """[take(state) at each of the first `saves` saves] of `work` (`create_state`, `batch`, `train_step`) trained
+    from its initial state, a save every `every` steps."""
+    state, snaps = work.create_state(), []
+    for step in range(1, every * saves + 1):
         state, _, _ = work.train_step(state, *work.batch(step))
-        if step % cls.every == 0:
+        if step % every == 0:
             snaps.append(take(state))
-    return work, cls, snaps
+    return snaps
 
 
 def measure(snaps, budget: float) -> dict:
